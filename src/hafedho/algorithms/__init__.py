@@ -1,0 +1,18 @@
+"""The algorithm registry: CLI name -> class. File name = registry key = CLI name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hafedho.algorithms.fedavg import FedAvg
+from hafedho.algorithms.hafedho import HaFedHo
+from hafedho.core import ConfigError, FedAlgorithm
+
+REGISTRY: dict[str, type[FedAlgorithm]] = {cls.name: cls for cls in (FedAvg, HaFedHo)}
+
+
+def build_algorithm(name: str, settings: dict[str, Any] | None = None) -> FedAlgorithm:
+    """Instantiate a registered algorithm from its config table (strictly validated)."""
+    if name not in REGISTRY:
+        raise ConfigError(f"algorithm.name={name!r}: unknown algorithm; choose one of {', '.join(REGISTRY)}")
+    return REGISTRY[name].from_config(settings or {})

@@ -1,0 +1,147 @@
+"""HaFedHo: Harmonizing Federated Heterogeneous Optimization via Adaptive Objective Rectification.
+
+Algorithm 1 of the paper, as written. Each sampled client minimises a *rectified* objective built from the
+previous round's aggregated gradient, so local steps imitate centralised training:
+
+    phi_i(w) = f_i(w) + mu * ( f_hat + h^T (w - w_t) )
+
+Round t, broadcast (w_t, g^{t-1}, f_hat^{t-1}); client i with weight p_i = |D_i| / |D|:
+    if i was sampled in round t-1 (self-correction: remove the client's own contribution):
+        h = g^{t-1} - p_i g_i^{t-1},     f_hat = f_hat^{t-1} - p_i f_hat_i^{t-1}
+    else:
+        h = g^{t-1},                     f_hat = f_hat^{t-1}
+    lambda local SGD steps  w^{(t,k+1)} = w^{(t,k)} - eta_l grad phi_i(w^{(t,k)})
+    upload  g_i^t = sum_k grad phi_i(w^{(t,k)}),   f_hat_i^t = mean_k f_i(w^{(t,k)})
+Server:
+    g^t = (1/m) sum_i g_i^t,   f_hat^t = (1/m) sum_i f_hat_i^t,   w_{t+1} = w_t - eta g^t
+
+Symbols:
+    w_t (``params``)      global model             mu (``mu``)         rectification strength
+    g^t (``g``)           aggregated gradient      lambda              local steps (the runtime's local_steps)
+    f_hat^t (``f_hat``)   aggregated mean loss     eta_l (``lr``)      local learning rate
+    h                     rectification direction  eta (``eta``)       server step; None = eta_l
+    g_i, f_hat_i          client's last upload     p_i                 client weight |D_i|/|D|
+
+Facts (each is a test):
+    * grad phi_i = grad f_i + mu h: the mu f_hat term is a constant and never moves a parameter; it only
+      changes the logged objective value.
+    * With eta = eta_l and accumulate="phi", w_{t+1} is exactly the mean of the clients' final models.
+    * Since g_i contains lambda mu h, g^t ~ G^t + lambda mu g^{t-1}: the literal algorithm is heavy-ball
+      momentum with factor lambda*mu and is stable only while lambda*mu < 1 (logged; warned at >= 1).
+    * mu = 0 reduces exactly to FedAvg with uniform weights (``fedavg`` with weighting="uniform").
+
+Switches for the paper's inconsistencies and ablations (defaults follow Algorithm 1):
+    accumulate       "phi": g_i sums grad phi_i (objective rectification, Algorithm 1);
+                     "f": g_i sums grad f_i (gradient rectification, the ablation of Fig. 3). Local steps
+                     are identical; only the upload differs.
+    aggregation      "uniform": 1/m as Algorithm 1 writes; "data_size": weights |D_i| as in the analysis.
+    self_correction  remove the client's own stale contribution when it was sampled in round t-1.
+    mu_schedule      "constant" (the experiments) or "inverse_round": mu_t = mu / t (the analysis).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from hafedho.core import (
+    ClientData,
+    ClientInfo,
+    ClientResult,
+    FedAlgorithm,
+    Model,
+    Params,
+    RoundInfo,
+    hp,
+    local_train,
+    sgd,
+    tree,
+)
+
+
+class ServerState(NamedTuple):
+    params: Params  # w_t
+    g: Params  # g^{t-1}
+    f_hat: Tensor  # f_hat^{t-1}, 0-d
+
+
+Broadcast = ServerState  # the wire payload is the whole server state (w_t, g^{t-1}, f_hat^{t-1})
+
+
+class ClientState(NamedTuple):
+    g_i: Params  # g_i from the last round this client took part in
+    f_hat_i: Tensor  # f_hat_i from that round, 0-d
+    last_round: Tensor  # that round (int64, 0-d); -1 = never
+
+
+class Upload(NamedTuple):
+    g_i: Params
+    f_hat_i: Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class HaFedHo(FedAlgorithm):
+    name = "hafedho"
+    mu: float = hp(0.01, "rectification strength mu", ge=0)
+    eta: float | None = hp(None, "server step eta in w <- w - eta g; None = the local lr", gt=0)
+    accumulate: str = hp("phi", "what g_i sums: grad phi (objective) or grad f (gradient)", choices=("phi", "f"))
+    aggregation: str = hp("uniform", "server weights: 1/m or |D_i|", choices=("uniform", "data_size"))
+    self_correction: bool = hp(True, "subtract p_i g_i when the client was sampled in round t-1")
+    mu_schedule: str = hp("constant", "mu_t = mu or mu / t", choices=("constant", "inverse_round"))
+
+    def init_server(self, params: Params) -> ServerState:
+        return ServerState(params, tree.zeros_like(params), torch.zeros(()))
+
+    def init_client(self, params: Params) -> ClientState:
+        return ClientState(tree.zeros_like(params), torch.zeros(()), torch.tensor(-1, dtype=torch.int64))
+
+    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
+        return server
+
+    def mu_at(self, t: int) -> float:
+        return self.mu / t if self.mu_schedule == "inverse_round" else self.mu
+
+    def client_update(
+        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult:
+        w_t, mu = msg.params, self.mu_at(rnd.round)
+        # Branch-free self-correction (vmap-safe): c = p_i if sampled in round t-1, else 0.
+        prev = (state.last_round == rnd.round - 1) & torch.tensor(self.self_correction)
+        c = torch.where(prev, info.weight, torch.zeros_like(info.weight))
+        h = tree.axpy(-c, state.g_i, msg.g)
+        f_hat = msg.f_hat - c * state.f_hat_i
+
+        def phi(w: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+            f = model.loss(w, x, y, m)
+            return f + mu * (f_hat + tree.dot(h, tree.sub(w, w_t))), f
+
+        res = local_train(phi, w_t, data, sgd(self.lr))
+        # grad phi = grad f + mu h at every real step, so sum grad f = sum grad phi - K mu h exactly.
+        g_i = res.grad_sum if self.accumulate == "phi" else tree.axpy(-mu * res.steps, h, res.grad_sum)
+        weight = torch.ones_like(info.num_examples) if self.aggregation == "uniform" else info.num_examples
+        new_state = ClientState(g_i, res.loss, torch.full_like(state.last_round, rnd.round))
+        metrics = {"train/loss": res.loss, "train/objective": res.objective}
+        return ClientResult(Upload(g_i, res.loss), weight, new_state, metrics)
+
+    def server_update(
+        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
+    ) -> tuple[ServerState, dict[str, float]]:
+        if agg is None:  # nobody took part: the round did not happen
+            return server, {}
+        eta = self.lr if self.eta is None else self.eta
+        params = tree.axpy(-eta, agg.g_i, server.params)
+        return ServerState(params, agg.g_i, agg.f_hat_i), {"server/g_norm": float(tree.sq_norm(agg.g_i).sqrt())}
+
+    def run_notes(self, local_steps: int) -> dict[str, float]:
+        lam_mu = local_steps * self.mu
+        if lam_mu >= 1:
+            warnings.warn(
+                f"hafedho: lambda*mu = {local_steps}*{self.mu} = {lam_mu:g} >= 1: the rectified update acts as "
+                "heavy-ball momentum with that factor and may diverge; lower algorithm.mu or clients.local_steps",
+                stacklevel=2,
+            )
+        return {"lambda_mu": lam_mu}

@@ -1,0 +1,146 @@
+"""The ``hafedho`` command: run, demo, report, algorithms, datasets."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hafedho.config import CONFIG_DIR, Config, ConfigError, load_config
+
+
+def _config_path(name: str | None) -> Path | None:
+    """A file path, or the name of an embedded config (``demo``, ``smoke``, ``default``)."""
+    if name is None:
+        return None
+    p = Path(name)
+    if not p.exists() and (CONFIG_DIR / f"{name}.toml").exists():
+        return CONFIG_DIR / f"{name}.toml"
+    return p
+
+
+def run_one(cfg: Config, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
+    from hafedho.experiment import build
+    from hafedho.sim.runner import run
+
+    run_dir = Path(cfg.out) / cfg.run_name
+    return run(build(cfg), run_dir, resume=resume, force=force, progress=progress)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = load_config(_config_path(args.config), args.overrides)
+    if args.out:
+        cfg.out = args.out
+    last = run_one(cfg, resume=args.resume, force=args.force, progress=not args.quiet)
+    acc = last.get("test/acc")
+    print(f"{cfg.run_name}: round {last.get('round')}, test/acc {acc:.4f} -> {Path(cfg.out) / cfg.run_name}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hafedho.report.plots import accuracy_curves
+    from hafedho.report.tables import accuracy_table, load_runs
+
+    out = Path(args.out)
+    for alg in ("hafedho", "fedavg"):
+        for seed in range(args.seeds):
+            overrides = [f"algorithm.name={alg}", f"seed={seed}", *args.overrides]
+            cfg = load_config(CONFIG_DIR / "demo.toml", overrides)
+            cfg.out = str(out)
+            run_dir = out / cfg.run_name
+            if (run_dir / "done").exists():
+                continue
+            run_one(cfg, resume=run_dir.exists())
+    runs = load_runs(out)
+    table = accuracy_table(runs)
+    title = "digits, Dirichlet q=0.3, 50 clients, 10% participation"
+    (out / "results.md").write_text(f"# Demo: {title}\n\n{table}\n![accuracy](accuracy.png)\n")
+    png = accuracy_curves(runs, out / "accuracy.png", title=title)
+    print(table)
+    print(f"table: {out / 'results.md'}\nplot:  {png}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hafedho.report.plots import accuracy_curves
+    from hafedho.report.tables import accuracy_table, load_runs
+
+    runs = load_runs(args.runs_dir)
+    if not runs:
+        raise ConfigError(f"{args.runs_dir}: no run directories with evaluated rounds found")
+    out = Path(args.out or args.runs_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = accuracy_table(runs)
+    (out / "results.md").write_text(table)
+    accuracy_curves(runs, out / "accuracy.png")
+    print(table)
+    return 0
+
+
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    from hafedho.algorithms import REGISTRY
+
+    for name, cls in REGISTRY.items():
+        doc = ((cls.__module__ and sys.modules[cls.__module__].__doc__) or "").strip().splitlines()[0]
+        print(f"{name}: {doc}")
+        for field, default, help_ in cls.describe():
+            print(f"    {field} = {default!r}  # {help_}")
+    return 0
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    from hafedho.data.sources import SOURCES
+
+    for name, src in SOURCES.items():
+        where = src.default_path or ("no files needed" if not src.needs_files else "your copy: pass data.path=...")
+        print(f"{name:12s} {src.description}\n{'':12s} reads: {where}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hafedho", description="Federated learning: HaFedHo and baselines.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run one experiment")
+    r.add_argument("config", nargs="?", help="TOML file or embedded name (default, demo, smoke)")
+    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.mu=0.01 data.q=0.1")
+    r.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoint")
+    r.add_argument("--force", action="store_true", help="delete an existing run directory and start over")
+    r.add_argument("--out", help="folder for run directories (overrides `out`)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_run)
+    d = sub.add_parser("demo", help="HaFedHo vs FedAvg on digits, 3 seeds, table + plot")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--seeds", type=int, default=3)
+    d.add_argument("overrides", nargs="*")
+    d.set_defaults(func=cmd_demo)
+    rep = sub.add_parser("report", help="tables and plots from run directories")
+    rep.add_argument("runs_dir")
+    rep.add_argument("--out")
+    rep.set_defaults(func=cmd_report)
+    sub.add_parser("algorithms", help="list algorithms and hyperparameters").set_defaults(func=cmd_algorithms)
+    sub.add_parser("datasets", help="list data sources and where they read from").set_defaults(func=cmd_datasets)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # "run CONFIG k=v": argparse may take the first override as the config; a key=value is never a file.
+    if getattr(args, "config", None) and "=" in args.config and not Path(args.config).exists():
+        args.overrides, args.config = [args.config, *args.overrides], None
+    from hafedho.data.partition import PartitionError
+    from hafedho.data.sources import DataError
+    from hafedho.results import RunDirError
+    from hafedho.sim.runner import Divergence
+
+    try:
+        return args.func(args)
+    except Divergence as e:
+        print(f"hafedho: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, DataError, PartitionError, RunDirError) as e:
+        print(f"hafedho: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Typed experiment configuration: TOML files plus dotted ``key=value`` overrides, strictly validated.
+
+Every unknown key, wrong type or impossible setting fails before any training with one line that names the
+key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hafedho.core.algorithm import ConfigError, check_value, hp
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class DataConfig:
+    source: str = hp("digits", "data source (see `hafedho datasets`)")
+    path: str | None = hp(None, "file or folder to read; None = the source's default")
+    partition: str = hp("dirichlet", "how train data is split", choices=("dirichlet", "iid", "natural"))
+    q: float = hp(0.3, "Dirichlet concentration (smaller = more heterogeneous)", gt=0)
+    num_clients: int = hp(0, "N; 0 = all groups for natural, 100 otherwise", ge=0)
+    min_size: int = hp(10, "Dirichlet: redraw until every client holds at least this many samples", ge=1)
+    partition_seed: int | None = hp(None, "seed of the partition; None = the run seed")
+    options: dict | None = hp(None, "source-specific options, e.g. {alpha = 1.0, beta = 1.0} for synthetic")
+
+
+@dataclass
+class ClientsConfig:
+    local_steps: int = hp(10, "lambda: local SGD steps per round", ge=1)
+    batch_size: int = hp(20, "local batch size B", ge=1)
+    local_epochs: int = hp(0, "> 0: whole local epochs instead of local_steps", ge=0)
+    weight_decay: float = hp(0.0, "L2 coefficient in every client's loss", ge=0)
+
+
+@dataclass
+class SamplingConfig:
+    mode: str = hp("fixed", "fixed-size cohorts or Bernoulli participation", choices=("fixed", "bernoulli"))
+    fraction: float = hp(0.1, "fixed: m = round(fraction * N) when cohort_size = 0", gt=0, le=1)
+    cohort_size: int = hp(0, "fixed: m; 0 = from fraction", ge=0)
+    prob: float = hp(0.1, "bernoulli: each client's participation probability", gt=0, le=1)
+
+
+@dataclass
+class ModelConfig:
+    name: str = hp("mlp", "model (see hafedho.models.MODELS)")
+    options: dict | None = hp(None, "model options, e.g. {hidden = [64]}")
+
+
+@dataclass
+class Config:
+    seed: int = hp(0, "seed of everything (model init, partition, cohorts, batches)")
+    rounds: int = hp(100, "T: communication rounds", ge=1)
+    eval_every: int = hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
+    checkpoint_every: int = hp(10, "checkpoint every k rounds (and at the last)", ge=1)
+    engine: str = hp("loop", "simulation engine", choices=("loop",))
+    name: str | None = hp(None, "run name; None = ALGORITHM-SOURCE-sSEED")
+    out: str = hp("runs", "folder that holds run directories")
+    data: DataConfig = field(default_factory=DataConfig)
+    clients: ClientsConfig = field(default_factory=ClientsConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: dict = field(default_factory=lambda: {"name": "hafedho"})
+
+    @property
+    def run_name(self) -> str:
+        return self.name or f"{self.algorithm.get('name')}-{self.data.source}-s{self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none(dataclasses.asdict(self))
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+
+
+def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"{full}: unknown key; valid keys here: {', '.join(fields)}")
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{full}: expected a table like [{full}], got {type(value).__name__}")
+            values[key] = _build(hints[key], value, f"{full}.")
+        elif dict in (hints[key], *typing.get_args(hints[key])):
+            if key == "algorithm" and (not isinstance(value, dict) or not isinstance(value.get("name"), str)):
+                raise ConfigError(f"{full}: needs a table with name = '<algorithm>' (see `hafedho algorithms`)")
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{full}: expected a table, got {type(value).__name__}")
+            values[key] = dict(value) if value is not None else None
+        else:
+            values[key] = check_value(full, value, hints[key], fields[key].metadata)
+    return cls(**values)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``a.b=value`` -> ``{"a": {"b": value}}``; the value is read as TOML, else taken as a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. algorithm.mu=0.01")
+    key, raw = (s.strip() for s in text.split("=", 1))
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The resolved config: defaults < file (or the embedded default) < overrides, then checked."""
+    table = read_toml(path if path is not None else CONFIG_DIR / "default.toml")
+    for text in overrides:
+        table = _merge(table, parse_override(text))
+    return validate(_build(Config, table, ""))
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that need no data loaded."""
+    s = cfg.sampling
+    if cfg.data.partition != "natural" and cfg.data.num_clients == 0:
+        cfg.data.num_clients = 100
+    n = cfg.data.num_clients
+    if s.mode == "fixed" and n and s.cohort_size > n:
+        raise ConfigError(f"sampling.cohort_size={s.cohort_size} exceeds data.num_clients={n}; lower it")
+    return cfg
+
+
+def cohort_size(cfg: Config, num_clients: int) -> int:
+    """m for fixed-size sampling, checked against the real N (known once the partition is built)."""
+    s = cfg.sampling
+    m = s.cohort_size or max(1, round(s.fraction * num_clients))
+    if m > num_clients:
+        raise ConfigError(f"sampling.cohort_size={m} exceeds the {num_clients} clients; lower it")
+    return m
+
+
+def dump_toml(d: dict[str, Any]) -> str:
+    """A minimal TOML writer for resolved configs (tables, strings, numbers, bools, lists)."""
+    lines: list[str] = []
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {_toml_value(v)}")
+    out = "\n".join(lines)
+    for name, t in tables:
+        inner = {k: v for k, v in t.items() if not isinstance(v, dict)}
+        out += f"\n\n[{name}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in inner.items())
+        for sub, st in ((k, v) for k, v in t.items() if isinstance(v, dict)):
+            out += f"\n\n[{name}.{sub}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in st.items())
+    return out.strip() + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")

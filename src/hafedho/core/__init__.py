@@ -1,0 +1,33 @@
+"""Core: types, the algorithm protocol, tree math, local training, aggregation. Imports nothing else."""
+
+from hafedho.core import tree
+from hafedho.core.aggregate import WeightedMean
+from hafedho.core.algorithm import ConfigError, FedAlgorithm, hp
+from hafedho.core.local import LocalResult, Transform, chain, local_train, mix, plain_objective, sgd, shift
+from hafedho.core.model import FunctionalModel
+from hafedho.core.tree import Params
+from hafedho.core.types import Algorithm, ClientData, ClientInfo, ClientResult, Model, RoundInfo
+
+__all__ = [
+    "Algorithm",
+    "ClientData",
+    "ClientInfo",
+    "ClientResult",
+    "ConfigError",
+    "FedAlgorithm",
+    "FunctionalModel",
+    "LocalResult",
+    "Model",
+    "Params",
+    "RoundInfo",
+    "Transform",
+    "WeightedMean",
+    "chain",
+    "hp",
+    "local_train",
+    "mix",
+    "plain_objective",
+    "sgd",
+    "shift",
+    "tree",
+]

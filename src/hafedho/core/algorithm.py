@@ -1,0 +1,113 @@
+"""Base class for algorithms: validated hyperparameters and the defaults most algorithms share.
+
+Hyperparameters are dataclass fields declared with ``hp(...)``; they are type- and range-checked when the
+algorithm is built, so a bad config fails before any training with one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from hafedho.core.aggregate import WeightedMean
+from hafedho.core.tree import Params
+
+
+class ConfigError(ValueError):
+    """A bad setting, reported as one line: the key, what is wrong, and what would be valid."""
+
+
+def hp(
+    default: Any,
+    help: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    choices: tuple[Any, ...] | None = None,
+) -> Any:
+    """Declare a hyperparameter with its documentation and its valid range or choices."""
+    meta = {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "choices": choices}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_value(key: str, value: Any, annotation: Any, meta: dict[str, Any]) -> Any:
+    """Type- and range-check one setting; ints are accepted (and converted) where floats are expected."""
+    allowed = typing.get_args(annotation) or (annotation,)
+    allowed = tuple(a for a in allowed if a is not type(None))
+    if value is None:
+        if type(None) not in (typing.get_args(annotation) or ()):
+            raise ConfigError(f"{key}: None is not allowed; expected {_names(allowed)}")
+        return value
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not any(isinstance(value, a) and not (a is int and isinstance(value, bool)) for a in allowed):
+        raise ConfigError(f"{key}={value!r}: expected {_names(allowed)}, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: must be a finite number")
+    bounds = (("gt", "> ", lambda v, b: v > b), ("ge", ">= ", lambda v, b: v >= b))
+    bounds += (("lt", "< ", lambda v, b: v < b), ("le", "<= ", lambda v, b: v <= b))
+    for name, sign, ok in bounds:
+        bound = meta.get(name)
+        if bound is not None and not ok(value, bound):
+            raise ConfigError(f"{key}={value!r}: must be {sign}{bound}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def _names(types: tuple[Any, ...]) -> str:
+    return " or ".join(getattr(t, "__name__", str(t)) for t in types)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FedAlgorithm:
+    """Shared fields and defaults. Subclasses add their hyperparameters and the five protocol functions.
+
+    Convention: every ``ServerState`` has a field ``params`` holding the global model.
+    """
+
+    name: ClassVar[str] = ""
+    lr: float = hp(0.05, "local learning rate eta_l of plain SGD", gt=0)
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = check_value(f"algorithm.{f.name}", getattr(self, f.name), hints[f.name], f.metadata)
+            object.__setattr__(self, f.name, value)
+
+    @classmethod
+    def from_config(cls, settings: dict[str, Any]) -> FedAlgorithm:
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in settings:
+            if key not in known:
+                raise ConfigError(f"algorithm.{key}: unknown setting for {cls.name}; valid: {', '.join(sorted(known))}")
+        return cls(**settings)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, Any, str]]:
+        """``(name, default, help)`` for each hyperparameter, for ``hafedho algorithms``."""
+        return [(f.name, f.default, f.metadata.get("help", "")) for f in dataclasses.fields(cls)]
+
+    def init_client(self, params: Params) -> Any:
+        return ()
+
+    def new_aggregator(self) -> WeightedMean:
+        return WeightedMean()
+
+    def eval_params(self, server: Any, client_state: Any = None) -> Params:
+        return server.params
+
+    def run_notes(self, local_steps: int) -> dict[str, float]:
+        """Facts worth logging once per run (HaFedHo: ``lambda*mu``); may warn."""
+        return {}
+
+    @staticmethod
+    def scalar(x: Tensor | float) -> float:
+        return float(x)

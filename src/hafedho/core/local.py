@@ -1,0 +1,114 @@
+"""Local training shared by every algorithm: S masked steps of a transform over an objective.
+
+Algorithms differ from FedAvg in one of two places: the *objective* (FedProx, FedDyn, MOON, HaFedHo) or the
+*transform* that turns a gradient into an update (SCAFFOLD's ``+ c - c_i``, MimeLite's frozen momentum). This
+module owns the loop so that no algorithm copies it.
+
+``local_train`` is pure and branch-free: it never writes into its inputs and never branches in Python on
+data values, so a vectorised engine can ``vmap`` it over a cohort. A step whose batch is all padding
+(``mask.sum() == 0``) is a no-op, gated arithmetically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.func import grad
+
+from hafedho.core import tree
+from hafedho.core.tree import Params
+from hafedho.core.types import ClientData, Objective
+
+
+class Transform(NamedTuple):
+    """An optax-style gradient transformation: ``update(grads, state, params) -> (updates, state)``."""
+
+    init: Callable[[Params], Any]
+    update: Callable[[Params, Any, Params], tuple[Params, Any]]
+
+
+def sgd(lr: float, momentum: float = 0.0) -> Transform:
+    """``update = -lr * g`` (heavy-ball buffer ``v <- momentum v + g`` when momentum > 0)."""
+    if momentum == 0.0:
+        return Transform(lambda p: (), lambda g, s, p: (tree.scale(g, -lr), s))
+
+    def update(g: Params, v: Params, p: Params) -> tuple[Params, Params]:
+        v = tree.axpy(momentum, v, g)
+        return tree.scale(v, -lr), v
+
+    return Transform(tree.zeros_like, update)
+
+
+def shift(delta: Params) -> Transform:
+    """``g <- g + delta`` with a constant delta (SCAFFOLD's ``c - c_i``)."""
+    return Transform(lambda p: (), lambda g, s, p: (tree.add(g, delta), s))
+
+
+def mix(other: Params, a: float, b: float) -> Transform:
+    """``g <- a g + b other`` with a constant ``other`` (MimeLite's frozen server momentum)."""
+    return Transform(lambda p: (), lambda g, s, p: ({k: a * g[k] + b * other[k] for k in g}, s))
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Apply transforms in order; the state is the tuple of their states."""
+
+    def init(p: Params) -> tuple:
+        return tuple(t.init(p) for t in transforms)
+
+    def update(g: Params, states: tuple, p: Params) -> tuple[Params, tuple]:
+        new = []
+        for t, s in zip(transforms, states, strict=True):
+            g, s = t.update(g, s, p)
+            new.append(s)
+        return g, tuple(new)
+
+    return Transform(init, update)
+
+
+class LocalResult(NamedTuple):
+    params: Params  # the final local model y_i
+    grad_sum: Params  # sum over real steps k of grad objective(w^{(k)})
+    steps: Tensor  # number of real steps K_i (0-d float)
+    loss: Tensor  # mean over real steps of the plain loss f(w^{(k)}), measured before each step
+    objective: Tensor  # mean over real steps of the objective phi(w^{(k)})
+
+
+def local_train(objective: Objective, params: Params, data: ClientData, transform: Transform) -> LocalResult:
+    """Run ``S = data.x.shape[0]`` masked steps of ``transform`` on ``objective`` starting from ``params``."""
+
+    def with_aux(p: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        phi, f = objective(p, x, y, m)
+        return phi, (phi, f)
+
+    grad_fn = grad(with_aux, has_aux=True)
+    dtype = next(iter(params.values())).dtype
+    w = params
+    opt_state = transform.init(w)
+    g_sum = tree.zeros_like(w)
+    zero = torch.zeros((), dtype=dtype, device=data.y.device)
+    steps, f_sum, phi_sum = zero, zero, zero
+    for s in range(data.x.shape[0]):
+        g, (phi, f) = grad_fn(w, data.x[s], data.y[s], data.mask[s])
+        active = (data.mask[s].sum() > 0).to(dtype)  # 0 for an all-padding step: the step is a no-op
+        updates, new_state = transform.update(g, opt_state, w)
+        w = {k: w[k] + active * updates[k] for k in w}
+        opt_state = tree.where(active > 0, new_state, opt_state)
+        g_sum = tree.axpy(active, g, g_sum)
+        steps = steps + active
+        f_sum = f_sum + active * f.detach()
+        phi_sum = phi_sum + active * phi.detach()
+    n = steps.clamp(min=1.0)
+    return LocalResult(w, g_sum, steps, f_sum / n, phi_sum / n)
+
+
+def plain_objective(model: Any) -> Objective:
+    """The client's own loss, ``phi = f``."""
+
+    def objective(p: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+        f = model.loss(p, x, y, m)
+        return f, f
+
+    return objective

@@ -1,0 +1,65 @@
+"""The functional view of an ``nn.Module`` that algorithms train: parameters in, loss out."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from hafedho.core import tree
+from hafedho.core.tree import Params
+
+
+class FunctionalModel:
+    """Wraps a module so that its parameters are explicit arguments (``torch.func.functional_call``).
+
+    Args:
+        module: any ``nn.Module`` whose ``forward(x)`` returns logits. Models that also accept
+            ``return_features=True`` (all of ``hafedho.models``) support ``features`` (MOON).
+        weight_decay: L2 coefficient added to the loss, ``f(w) + wd/2 ||w||^2``. It lives in the loss (not in
+            the optimiser) so every algorithm's gradient sums and control variates see the same f.
+    """
+
+    def __init__(self, module: nn.Module, weight_decay: float = 0.0) -> None:
+        self.module = module
+        self.buffers = dict(module.named_buffers())
+        self.weight_decay = weight_decay
+
+    def params(self) -> Params:
+        return {k: v.detach().clone() for k, v in self.module.named_parameters()}
+
+    def logits(self, params: Params, x: Tensor) -> Tensor:
+        return functional_call(self.module, (params, self.buffers), (x,))
+
+    def features(self, params: Params, x: Tensor) -> tuple[Tensor, Tensor]:
+        return functional_call(self.module, (params, self.buffers), (x,), {"return_features": True})
+
+    def loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
+        return self.loss_from_logits(params, self.logits(params, x), y, mask)
+
+    def loss_from_logits(self, params: Params, logits: Tensor, y: Tensor, mask: Tensor) -> Tensor:
+        ce = F.cross_entropy(logits, y, reduction="none")
+        loss = (ce * mask).sum() / mask.sum().clamp(min=1.0)
+        if self.weight_decay:
+            loss = loss + 0.5 * self.weight_decay * tree.sq_norm(params)
+        return loss
+
+    def train(self, mode: bool = True) -> FunctionalModel:
+        self.module.train(mode)
+        return self
+
+
+@torch.no_grad()
+def evaluate(model: FunctionalModel, params: Params, x: Tensor, y: Tensor, batch_size: int = 1024) -> dict:
+    """Accuracy and mean cross-entropy of ``params`` on ``(x, y)`` in eval mode (no dropout)."""
+    was_training = model.module.training
+    model.module.eval()
+    correct, loss_sum = 0, 0.0
+    for i in range(0, len(y), batch_size):
+        logits = model.logits(params, x[i : i + batch_size])
+        loss_sum += float(F.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
+        correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
+    model.module.train(was_training)
+    n = max(len(y), 1)
+    return {"acc": correct / n, "loss": loss_sum / n}

@@ -1,0 +1,93 @@
+"""The algorithm protocol and the plain records that cross it.
+
+An algorithm is a frozen dataclass of hyperparameters plus pure functions over explicit state (optax's
+``init/update``, FedJAX's ``init/apply``). It never sees where clients run: the reference loop, a vectorised
+engine or a Flower client all call the same ``client_update``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+from torch import Tensor
+
+from hafedho.core.tree import Params
+
+
+class RoundInfo(NamedTuple):
+    """What every client and the server know about round t."""
+
+    round: int  # t, 1-based
+    num_clients: int  # N, the population
+    cohort_size: int  # m, the clients sampled (server side: the uploads actually aggregated)
+
+
+class ClientInfo(NamedTuple):
+    """Per-client facts (batched along a leading dimension under vmap)."""
+
+    weight: Tensor  # p_i = |D_i| / |D|, a 0-d float tensor
+    num_examples: Tensor  # |D_i|, a 0-d float tensor
+
+
+class ClientData(NamedTuple):
+    """A client's local work for one round, built by the runtime; algorithms never build batches."""
+
+    x: Tensor  # [S, B, ...]  S local steps of batch B
+    y: Tensor  # [S, B]
+    mask: Tensor  # [S, B]  1 = real example, 0 = padding (unequal client sizes, unequal step counts)
+
+
+class ClientResult(NamedTuple):
+    upload: Any  # the algorithm's Upload (a NamedTuple of tensors / Params)
+    weight: Tensor  # aggregation weight of this upload (0-d)
+    state: Any  # the client's new ClientState
+    metrics: dict[str, Tensor]  # scalars, averaged over the cohort by the runtime
+
+
+class Model(Protocol):
+    """The functional view of a network that algorithms use (built by the runtime from an ``nn.Module``)."""
+
+    def logits(self, params: Params, x: Tensor) -> Tensor: ...
+
+    def features(self, params: Params, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(z, logits)`` with z the representation before the last layer."""
+        ...
+
+    def loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
+        """Masked mean cross-entropy of one batch (0 when the batch is all padding)."""
+        ...
+
+
+class Aggregator(Protocol):
+    """Streaming reduction of weighted uploads; ``result`` gives the aggregate or None if nothing arrived."""
+
+    def add(self, upload: Any, weight: Tensor) -> None: ...
+
+    def result(self) -> Any: ...
+
+
+class Algorithm(Protocol):
+    """What the runtime needs from an algorithm (see ``core.algorithm.FedAlgorithm`` for the base class)."""
+
+    lr: float
+
+    def init_server(self, params: Params) -> Any: ...
+
+    def init_client(self, params: Params) -> Any: ...
+
+    def broadcast(self, server: Any, rnd: RoundInfo) -> Any: ...
+
+    def client_update(
+        self, msg: Any, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult: ...
+
+    def new_aggregator(self) -> Aggregator: ...
+
+    def server_update(self, server: Any, aggregate: Any, rnd: RoundInfo) -> tuple[Any, dict[str, float]]: ...
+
+    def eval_params(self, server: Any, client_state: Any = None) -> Params: ...
+
+
+Objective = Callable[[Params, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""``objective(params, x, y, mask) -> (phi, f)``: the loss minimised locally and the plain model loss."""

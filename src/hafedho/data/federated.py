@@ -1,0 +1,121 @@
+"""The federated view of a data set: per-client index arrays into one in-memory tensor per split.
+
+No DataLoader in the hot path: a client's local work for a round is an index tensor ``[S, B]`` plus a mask,
+drawn from a generator seeded by (seed, round, client), and one gather from the train tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hafedho.core import ClientData, ClientInfo, ConfigError
+from hafedho.sim.seeds import rng_for
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How much local work a client does: ``local_steps`` steps, or whole ``local_epochs`` when > 0."""
+
+    local_steps: int
+    batch_size: int
+    local_epochs: int = 0
+
+    def steps_for(self, n: int) -> int:
+        if self.local_epochs > 0:
+            return self.local_epochs * math.ceil(n / self.batch_size)
+        return self.local_steps
+
+
+def plan_indices(rng: np.random.Generator, n: int, plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``[S, B]`` into a client's ``n`` examples and their mask.
+
+    Steps mode: a stream of fresh permutations (sampling without replacement within each pass), cut into S
+    batches of ``min(B, n)``; a client smaller than B trains on all its data each step (padded, masked).
+    Epochs mode: each epoch is one permutation cut into ceil(n/B) batches, the last one partial (masked).
+    """
+    B = plan.batch_size
+    if plan.local_epochs > 0:
+        per = math.ceil(n / B)
+        pos = np.zeros((plan.local_epochs * per, B), dtype=np.int64)
+        mask = np.zeros((plan.local_epochs * per, B), dtype=np.float32)
+        for e in range(plan.local_epochs):
+            perm = rng.permutation(n)
+            for j in range(per):
+                chunk = perm[j * B : (j + 1) * B]
+                pos[e * per + j, : len(chunk)] = chunk
+                mask[e * per + j, : len(chunk)] = 1.0
+        return pos, mask
+    b = min(B, n)
+    need = plan.local_steps * b
+    stream = np.concatenate([rng.permutation(n) for _ in range(math.ceil(need / n))])[:need]
+    pos = np.zeros((plan.local_steps, B), dtype=np.int64)
+    mask = np.zeros((plan.local_steps, B), dtype=np.float32)
+    pos[:, :b] = stream.reshape(plan.local_steps, b)
+    mask[:, :b] = 1.0
+    return pos, mask
+
+
+class FederatedData:
+    """Train/test tensors plus the partition, producing each client's ``ClientData`` for a round.
+
+    Args:
+        x_train, y_train, x_test, y_test: arrays as loaded (uint8 images are scaled to [0, 1] at batch time).
+        parts: one sorted index array into the train split per client.
+        mean, std: per-channel normalisation applied at batch time (None = none).
+    """
+
+    def __init__(
+        self,
+        x_train: np.ndarray,
+        y_train: np.ndarray,
+        x_test: np.ndarray,
+        y_test: np.ndarray,
+        parts: list[np.ndarray],
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+    ) -> None:
+        self.x_train = torch.from_numpy(np.ascontiguousarray(x_train))
+        self.y_train = torch.from_numpy(np.ascontiguousarray(y_train)).long()
+        self.x_test_raw = torch.from_numpy(np.ascontiguousarray(x_test))
+        self.y_test = torch.from_numpy(np.ascontiguousarray(y_test)).long()
+        self.parts = [np.asarray(p, dtype=np.int64) for p in parts]
+        self.sizes = np.array([len(p) for p in self.parts], dtype=np.int64)
+        if (self.sizes == 0).any():
+            empty = int(np.flatnonzero(self.sizes == 0)[0])
+            raise ConfigError(f"client {empty} has no training samples; use fewer clients or a larger data.min_size")
+        shape = (1, -1) + (1,) * (self.x_train.dim() - 2) if self.x_train.dim() > 2 else (1, -1)
+        self._mean = torch.tensor(mean).view(shape) if mean is not None else None
+        self._std = torch.tensor(std).view(shape) if std is not None else None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.parts)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    def preprocess(self, x: Tensor) -> Tensor:
+        """Raw stored values -> normalised float32 model inputs."""
+        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        if self._mean is not None:
+            x = (x - self._mean) / self._std
+        return x
+
+    def x_test(self) -> Tensor:
+        return self.preprocess(self.x_test_raw)
+
+    def client_info(self, cid: int) -> ClientInfo:
+        n = float(self.sizes[cid])
+        return ClientInfo(torch.tensor(n / float(self.sizes.sum())), torch.tensor(n))
+
+    def client_data(self, seed: int, rnd: int, cid: int, plan: BatchPlan) -> ClientData:
+        pos, mask = plan_indices(rng_for(seed, "batches", rnd, cid), int(self.sizes[cid]), plan)
+        idx = torch.from_numpy(self.parts[cid][pos])  # [S, B] global train indices
+        x = self.preprocess(self.x_train[idx.reshape(-1)])
+        return ClientData(x.reshape(*idx.shape, *x.shape[1:]), self.y_train[idx], torch.from_numpy(mask))

@@ -1,0 +1,72 @@
+"""Wiring: turn a validated ``Config`` into an ``Experiment`` (data, partition, model, algorithm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hafedho.algorithms import REGISTRY, build_algorithm
+from hafedho.config import Config, ConfigError
+from hafedho.core import FedAlgorithm, FunctionalModel
+from hafedho.data import partition as P
+from hafedho.data.federated import FederatedData
+from hafedho.data.sources import Dataset, load_dataset
+from hafedho.models import build_model
+from hafedho.sim.runner import Experiment
+from hafedho.sim.seeds import seed_for
+
+
+def make_partition(cfg: Config, ds: Dataset) -> list[np.ndarray]:
+    d = cfg.data
+    seed = cfg.seed if d.partition_seed is None else d.partition_seed
+    if d.partition == "natural":
+        if ds.groups is None:
+            raise ConfigError(f"data.partition='natural': source {ds.name!r} has no natural clients; use 'dirichlet'")
+        parts = P.natural(ds.groups)
+        if d.num_clients not in (0, len(parts)):
+            raise ConfigError(
+                f"data.num_clients={d.num_clients}: {ds.name} has {len(parts)} natural clients; set it to 0 or "
+                f"{len(parts)}"
+            )
+        return parts
+    if d.partition == "iid":
+        return P.iid(len(ds.y_train), d.num_clients, seed)
+    return P.dirichlet(ds.y_train, d.num_clients, d.q, seed, min_size=d.min_size)
+
+
+def algorithm_from_table(table: dict[str, Any]) -> FedAlgorithm:
+    """``[algorithm]``: ``name``, shared settings, and optional per-algorithm tables such as ``[algorithm.hafedho]``.
+
+    Per-algorithm tables let one config carry every algorithm's tuned hyperparameters; only the selected
+    algorithm's table applies, so ``algorithm.name=fedavg`` never inherits HaFedHo's ``mu``.
+    """
+    name = table["name"]
+    for key, value in table.items():
+        if isinstance(value, dict) and key not in REGISTRY:
+            raise ConfigError(f"algorithm.{key}: not an algorithm; per-algorithm tables are: {', '.join(REGISTRY)}")
+    settings = {k: v for k, v in table.items() if k != "name" and not isinstance(v, dict)}
+    return build_algorithm(name, {**settings, **table.get(name, {})})
+
+
+def build(cfg: Config) -> Experiment:
+    alg = algorithm_from_table(cfg.algorithm)  # fail on bad hyperparameters before loading any data
+    ds = load_dataset(cfg.data.source, cfg.data.path, **(cfg.data.options or {}))
+    parts = make_partition(cfg, ds)
+    fed = FederatedData(ds.x_train, ds.y_train, ds.x_test, ds.y_test, parts, ds.mean, ds.std)
+    torch.manual_seed(seed_for(cfg.seed, "model_init"))  # same initial model for every algorithm
+    try:
+        module = build_model(cfg.model.name, fed.input_shape, ds.num_classes, **(cfg.model.options or {}))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from None
+    sizes = [len(p) for p in parts]
+    partition = {
+        "hash": P.partition_hash(parts),
+        "num_clients": len(parts),
+        "sizes": sizes,
+        "label_skew": P.label_skew(ds.y_train, parts, ds.num_classes),
+        "source": ds.info,
+    }
+    model = FunctionalModel(module, weight_decay=cfg.clients.weight_decay)
+    return Experiment(cfg, alg, fed, model, partition)

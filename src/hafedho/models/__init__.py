@@ -1,0 +1,124 @@
+"""Model zoo: plain ``nn.Module``s sharing one forward contract, plus a registry.
+
+Every model's ``forward(x, return_features=False)`` returns logits ``[B, num_classes]``,
+or ``(z, logits)`` where ``z`` is the representation fed to the final Linear layer
+(MOON's contrastive loss uses it). Inputs are normalised float tensors, ``[B, D]`` or
+``[B, C, H, W]``. No model contains BatchNorm, so all are safe for vectorised
+(``torch.func.vmap``) client training.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from hafedho.models.cnn import CifarCNN, FemnistCNN, LeNet5
+from hafedho.models.resnet import ResNet18GN
+from hafedho.models.simple import MLP, LogReg
+
+__all__ = [
+    "MLP",
+    "MODELS",
+    "CifarCNN",
+    "FemnistCNN",
+    "LeNet5",
+    "LogReg",
+    "ResNet18GN",
+    "build_model",
+    "count_flops",
+    "num_params",
+]
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "logreg": LogReg,
+    "mlp": MLP,
+    "femnist_cnn": FemnistCNN,
+    "cifar_cnn": CifarCNN,
+    "lenet5": LeNet5,
+    "resnet18_gn": ResNet18GN,
+}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options) -> nn.Module:
+    """Build a registered model.
+
+    Args:
+        name: A key of ``MODELS``.
+        input_shape: Shape of one example, without the batch dimension.
+        num_classes: Number of output classes.
+        **options: Model-specific options (e.g. ``hidden`` for ``mlp``).
+
+    Returns:
+        The freshly initialised model (uses torch's global RNG; seed it first).
+
+    Raises:
+        ValueError: Unknown name or option, or an input shape the model cannot take.
+    """
+    try:
+        factory = MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}") from None
+    params = inspect.signature(factory).parameters
+    allowed = [p for p in params if p not in ("input_shape", "num_classes")]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"model {name!r} has no option(s) {', '.join(unknown)}; its options are: {', '.join(allowed) or 'none'}"
+        )
+    return factory(tuple(input_shape), num_classes, **options)
+
+
+def num_params(model: nn.Module) -> int:
+    """Total number of parameter elements (trainable or not)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_flops(model: nn.Module, input_shape: Sequence[int]) -> int:
+    """Forward FLOPs of one example, counted as 2 x multiply-adds of Linear and Conv2d layers.
+
+    Biases, activations, pooling and normalisation are ignored (they are a small
+    fraction for these models); a training step costs roughly 3x this. Counted from
+    the layers' actual output shapes via forward hooks on one zero example, run in
+    eval mode under ``no_grad`` (the model's mode is restored afterwards).
+
+    Args:
+        model: Any module; only its ``nn.Linear``/``nn.Conv2d`` submodules count.
+        input_shape: Shape of one example, without the batch dimension.
+
+    Returns:
+        ``sum over Linear of 2 * in_features * out_features * positions`` plus
+        ``sum over Conv2d of 2 * (C_in / groups) * k_h * k_w * C_out * H_out * W_out``.
+    """
+    total = 0
+
+    def linear_hook(module: nn.Linear, _inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal total
+        total += 2 * module.in_features * output.numel()
+
+    def conv_hook(module: nn.Conv2d, _inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal total
+        k_h, k_w = module.kernel_size
+        total += 2 * (module.in_channels // module.groups) * k_h * k_w * output.numel()
+
+    handles = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(linear_hook))
+        elif isinstance(m, nn.Conv2d):
+            handles.append(m.register_forward_hook(conv_hook))
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    dtype = first.dtype if first is not None else torch.get_default_dtype()
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros((1, *input_shape), device=device, dtype=dtype))
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return int(total)

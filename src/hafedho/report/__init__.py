@@ -1,0 +1,1 @@
+"""Tables and plots built from run directories only; training never draws."""

@@ -1,0 +1,143 @@
+"""The round loop: sample, broadcast, run the cohort, aggregate, server update, evaluate, log, checkpoint."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from hafedho.config import Config, cohort_size, dump_toml, read_toml
+from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
+from hafedho.core.model import evaluate
+from hafedho.data.federated import BatchPlan, FederatedData
+from hafedho.results import (
+    RunDirError,
+    append_metrics,
+    atomic_write_text,
+    environment,
+    truncate_metrics,
+    write_json,
+)
+from hafedho.sim import checkpoint
+from hafedho.sim.engines import ENGINES
+from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
+from hafedho.sim.store import ClientStore
+
+
+class Divergence(RuntimeError):
+    """Training produced a non-finite loss or model; the last good checkpoint is kept."""
+
+
+@dataclass
+class Experiment:
+    """Everything a run needs, built from a config by ``hafedho.experiment.build``."""
+
+    cfg: Config
+    alg: FedAlgorithm
+    fed: FederatedData
+    model: FunctionalModel
+    partition: dict[str, Any]  # sizes, hash
+
+    @property
+    def plan(self) -> BatchPlan:
+        c = self.cfg.clients
+        return BatchPlan(c.local_steps, c.batch_size, c.local_epochs)
+
+    def cohort(self, rnd: int) -> np.ndarray:
+        s, n = self.cfg.sampling, self.fed.num_clients
+        if s.mode == "bernoulli":
+            return bernoulli_cohort(self.cfg.seed, rnd, n, s.prob)
+        return fixed_cohort(self.cfg.seed, rnd, n, cohort_size(self.cfg, n))
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> None:
+    """Create the run directory, or check that an existing one may be continued."""
+    if run_dir.exists() and force:
+        shutil.rmtree(run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not resume:
+            state = "finished" if (run_dir / "done").exists() else "interrupted"
+            raise RunDirError(f"{run_dir} holds a {state} run; pass --resume to continue it or --force to start over")
+        old = read_toml(run_dir / "config.toml") if (run_dir / "config.toml").exists() else {}
+        old.pop("rounds", None)
+        new = cfg.to_dict()
+        new.pop("rounds", None)  # extending a finished run is allowed
+        if old and old != new:
+            diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise RunDirError(f"{run_dir} was run with another config (differs in: {', '.join(diff)}); use --force")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
+
+
+def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
+    """Run (or continue) an experiment in ``run_dir``; returns the last metrics row."""
+    cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
+    run_dir = Path(run_dir)
+    prepare_run_dir(run_dir, cfg, resume, force)
+    (run_dir / "done").unlink(missing_ok=True)
+    (run_dir / "diverged").unlink(missing_ok=True)
+    write_json(run_dir / "env.json", environment())
+    write_json(run_dir / "partition.json", exp.partition)
+    plan = exp.plan
+    lam = int(max(plan.steps_for(int(n)) for n in fed.sizes))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        notes = alg.run_notes(lam)
+    for w in caught:
+        tqdm.write(f"warning: {w.message}")
+    write_json(run_dir / "run.json", {"notes": notes, "warnings": [str(w.message) for w in caught], "lambda": lam})
+
+    params0 = model.params()
+    server = alg.init_server(params0)
+    store = ClientStore(alg.init_client(params0), fed.num_clients)
+    start, wall = 1, 0.0
+    ckpt = run_dir / "checkpoint.pt"
+    if resume and ckpt.exists():
+        done_round, server, store_leaves, extra = checkpoint.load(ckpt, server)
+        store.load_state_dict(store_leaves)
+        start, wall = done_round + 1, float(extra.get("wall_s", 0.0))
+    truncate_metrics(run_dir, start - 1)  # rounds after the checkpoint are recomputed identically
+
+    x_test, y_test = fed.x_test(), fed.y_test
+    engine = ENGINES[cfg.engine]
+    last: dict[str, Any] = {}
+    bar = tqdm(range(start, cfg.rounds + 1), desc=cfg.run_name, disable=not progress, leave=False)
+    for t in bar:
+        t0 = time.perf_counter()
+        cohort = exp.cohort(t)
+        rnd = RoundInfo(t, fed.num_clients, len(cohort))
+        msg = alg.broadcast(server, rnd)
+        out = engine(alg, msg, cohort, store, fed, plan, model, rnd, cfg.seed)
+        server, server_metrics = alg.server_update(server, out.aggregate, rnd)
+        row: dict[str, Any] = {"round": t, "cohort_size": len(cohort), **out.metrics, **server_metrics}
+        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad or not tree.all_finite(alg.eval_params(server)):
+            what = f"{bad[0]} is {row[bad[0]]}" if bad else "the global model has non-finite values"
+            good = f"round {start - 1} in {ckpt}" if start > 1 or ckpt.exists() else "none"
+            hint = "lower algorithm.lr or the algorithm's coefficients"
+            msg_text = f"run diverged at round {t}: {what} ({hint}); last good checkpoint: {good}"
+            atomic_write_text(run_dir / "diverged", msg_text + "\n")
+            raise Divergence(msg_text)
+        wall += time.perf_counter() - t0
+        if t % cfg.eval_every == 0 or t == cfg.rounds:
+            ev = evaluate(model, alg.eval_params(server), x_test, y_test)
+            row.update({"test/acc": ev["acc"], "test/loss": ev["loss"]})
+            bar.set_postfix(acc=f"{ev['acc']:.3f}")
+        row.update(
+            {"wall_s": round(wall, 4), "bytes_up": out.bytes_up, "bytes_down": len(cohort) * tree.num_bytes(msg)}
+        )
+        append_metrics(run_dir, row)
+        last = row
+        if t % cfg.checkpoint_every == 0 or t == cfg.rounds:
+            checkpoint.save(ckpt, t, server, store.state_dict(), {"wall_s": wall})
+            start = t + 1
+    bar.close()
+    atomic_write_text(run_dir / "done", "")
+    return last

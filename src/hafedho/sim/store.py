@@ -1,0 +1,69 @@
+"""The client-state store: per-client state stacked as ``[N, ...]`` leaves, in memory or memory-mapped.
+
+The runtime gathers the cohort's states, runs the cohort and scatters the new states back; no other
+client's state is touched (partial participation keeps stale state exactly).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+
+class ClientStore:
+    """Stacked per-client state built from a template ``ClientState`` (a pytree of tensors).
+
+    Args:
+        template: one client's initial state (every client starts from it).
+        num_clients: N.
+        path: if given, leaves live in ``.npy`` memory-mapped files under this folder, so N x state may
+            exceed RAM (3,400 FEMNIST clients x a 1.2M-parameter model is 16 GB per state vector).
+    """
+
+    def __init__(self, template: Any, num_clients: int, path: str | Path | None = None) -> None:
+        leaves, self.spec = pytree.tree_flatten(template)
+        self.num_clients = num_clients
+        self.path = Path(path) if path is not None else None
+        self.leaves: list[Tensor] = []
+        for i, leaf in enumerate(leaves):
+            shape = (num_clients, *leaf.shape)
+            if self.path is None:
+                stacked = leaf.unsqueeze(0).expand(shape).clone()
+            else:
+                self.path.mkdir(parents=True, exist_ok=True)
+                mm = np.lib.format.open_memmap(
+                    self.path / f"leaf{i}.npy", mode="w+", dtype=leaf.numpy().dtype, shape=shape
+                )
+                mm[:] = leaf.numpy()
+                stacked = torch.from_numpy(mm)
+            self.leaves.append(stacked)
+
+    @property
+    def empty(self) -> bool:
+        return not self.leaves
+
+    def gather(self, cid: int) -> Any:
+        return pytree.tree_unflatten([leaf[cid].clone() for leaf in self.leaves], self.spec)
+
+    def scatter(self, cid: int, state: Any) -> None:
+        for leaf, new in zip(self.leaves, pytree.tree_leaves(state), strict=True):
+            leaf[cid] = new.detach()
+
+    def state_dict(self) -> list[Tensor]:
+        return self.leaves
+
+    def load_state_dict(self, leaves: list[Tensor]) -> None:
+        if len(leaves) != len(self.leaves):
+            raise ValueError("checkpoint client store does not match this algorithm's client state")
+        for dst, src in zip(self.leaves, leaves, strict=True):
+            if dst.shape != src.shape:
+                raise ValueError(f"checkpoint client state has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
+
+    def nbytes(self) -> int:
+        return sum(leaf.numel() * leaf.element_size() for leaf in self.leaves)

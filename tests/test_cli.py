@@ -1,0 +1,47 @@
+"""The ``hafedho`` command end to end (in-process, so failures show tracebacks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hafedho.cli import main
+from hafedho.results import read_metrics
+
+
+def test_run_smoke_config_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "smoke", "--out", str(tmp_path), "--quiet"]) == 0
+    run_dir = tmp_path / "hafedho-digits-s0"
+    rows = read_metrics(run_dir)
+    assert [r["round"] for r in rows] == [1, 2] and (run_dir / "done").exists()
+    assert rows[-1]["test/acc"] > 0.1 and "round 2, test/acc" in capsys.readouterr().out
+    # overrides without a config file use the embedded default
+    assert main(["run", "rounds=1", "algorithm.name=fedavg", "--out", str(tmp_path), "--quiet"]) == 0
+    assert json.loads((tmp_path / "fedavg-digits-s0" / "metrics.jsonl").read_text().splitlines()[0])["round"] == 1
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "smoke", "data.q=0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == "hafedho: error: data.q=0.0: must be > 0\n"
+    assert main(["run", "smoke", "bogus.key=1", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("hafedho: error: bogus: unknown key")
+
+
+def test_listing_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["algorithms"]) == 0
+    out = capsys.readouterr().out
+    assert "hafedho:" in out and "fedavg:" in out and "mu = 0.01" in out
+    assert main(["datasets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("digits", "synthetic", "femnist", "cifar10", "cifar100", "imagefolder", "npz"):
+        assert name in out
+
+
+def test_report_command(tmp_path: Path) -> None:
+    assert main(["run", "smoke", "--out", str(tmp_path), "--quiet"]) == 0
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    assert "| hafedho | 1 |" in (tmp_path / "rep" / "results.md").read_text()
+    assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000

@@ -1,0 +1,80 @@
+"""Config: strict keys and types, impossible settings, overrides; each error is one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hafedho.config import ConfigError, load_config, parse_override
+from hafedho.data.partition import PartitionError
+from hafedho.data.sources import DataError
+from hafedho.experiment import build
+
+
+def test_embedded_default_and_overrides() -> None:
+    cfg = load_config(None, ["algorithm.hafedho.mu=0.05", "data.q=0.1", "sampling.mode=bernoulli"])
+    assert cfg.algorithm["hafedho"]["mu"] == 0.05 and cfg.data.q == 0.1 and cfg.sampling.mode == "bernoulli"
+    assert parse_override("a.b.c=[1, 2]") == {"a": {"b": {"c": [1, 2]}}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.qq=0.1"], r"^data.qq: unknown key; valid keys here: source, path, partition, q, "),
+        (["data.q=0"], r"^data.q=0.0: must be > 0$"),
+        (["data.q=-1"], r"^data.q=-1.0: must be > 0$"),
+        (["rounds='ten'"], r"^rounds='ten': expected int, got str$"),
+        (["rounds=1.5"], r"^rounds=1.5: expected int, got float$"),
+        (["sampling.fraction=1.5"], r"^sampling.fraction=1.5: must be <= 1$"),
+        (["data.num_clients=10", "sampling.cohort_size=20"], r"sampling.cohort_size=20 exceeds data.num_clients=10"),
+        (["engine='gpu'"], r"^engine='gpu': choose one of 'loop'$"),
+        (["data=3"], r"^data: expected a table"),
+        (["noequals"], r"expected key=value"),
+    ],
+)
+def test_bad_settings_fail_with_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_algorithm_settings_fail_before_loading_data() -> None:
+    cfg = load_config(None, ["algorithm.hafedho.mu=-1", "data.source=femnist", "data.path=/nonexistent"])
+    with pytest.raises(ConfigError, match=r"algorithm.mu=-1.0: must be >= 0"):
+        build(cfg)
+    cfg = load_config(None, ["algorithm.name=scaffoldd"])
+    with pytest.raises(ConfigError, match=r"algorithm.name='scaffoldd': unknown algorithm; choose one of"):
+        build(cfg)
+    cfg = load_config(None, ["algorithm.fedprocs.mu=1"])
+    with pytest.raises(ConfigError, match=r"algorithm.fedprocs: not an algorithm"):
+        build(cfg)
+
+
+def test_missing_data_path() -> None:
+    cfg = load_config(None, ["data.source=femnist", "data.path=/nonexistent/femnist"])
+    with pytest.raises(DataError, match="/nonexistent/femnist"):
+        build(cfg)
+
+
+def test_cohort_larger_than_natural_population(shared_data: Path) -> None:
+    cfg = load_config(
+        None, ["data.source=femnist", "data.partition=natural", "data.num_clients=0", "sampling.cohort_size=500"]
+    )
+    with pytest.raises(ConfigError, match=r"sampling.cohort_size=500 exceeds the 105 clients"):
+        build(cfg).cohort(1)
+
+
+def test_impossible_partition() -> None:
+    cfg = load_config(None, ["data.num_clients=1000", "data.min_size=10"])
+    with pytest.raises(PartitionError, match="min_size"):
+        build(cfg)
+
+
+def test_bad_toml_file(tmp_path: Path) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text("rounds = = 3\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: not valid TOML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"config file not found"):
+        load_config(tmp_path / "missing.toml")

@@ -1,0 +1,100 @@
+"""Core: tree math, the streaming aggregator, local_train's purity and masking, hyperparameter checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from quadratic import QuadraticModel, client_data, w
+
+from hafedho.core import (
+    ConfigError,
+    FedAlgorithm,
+    WeightedMean,
+    chain,
+    hp,
+    local_train,
+    mix,
+    plain_objective,
+    sgd,
+    shift,
+    tree,
+)
+
+
+def test_tree_math_is_pure_and_correct() -> None:
+    a, b = w(1.0, 2.0), w(3.0, -1.0)
+    a0 = a["w"].clone()
+    assert torch.equal(tree.add(a, b)["w"], torch.tensor([4.0, 1.0]))
+    assert torch.equal(tree.sub(a, b)["w"], torch.tensor([-2.0, 3.0]))
+    assert torch.equal(tree.axpy(2.0, a, b)["w"], torch.tensor([5.0, 3.0]))
+    assert float(tree.dot(a, b)) == 1.0
+    assert tree.num_bytes({"x": torch.zeros(3), "y": torch.zeros(2, dtype=torch.int64)}) == 3 * 4 + 2 * 8
+    assert torch.equal(a["w"], a0)
+
+
+def test_weighted_mean_streams_and_handles_empty() -> None:
+    agg = WeightedMean()
+    assert agg.result() is None
+    agg.add(w(1.0, 0.0), torch.tensor(1.0))
+    agg.add(w(4.0, 3.0), torch.tensor(2.0))
+    assert torch.allclose(agg.result()["w"], torch.tensor([3.0, 2.0]))
+    rev = WeightedMean()
+    rev.add(w(4.0, 3.0), torch.tensor(2.0))
+    rev.add(w(1.0, 0.0), torch.tensor(1.0))
+    assert torch.equal(rev.result()["w"], agg.result()["w"])
+
+
+def test_local_train_steps_by_hand_and_padding_is_noop() -> None:
+    """f = 1/2||w - a||^2, a = (1, 0), lr 0.5: w (0,0) -> (0.5,0) -> (0.75,0); a third all-padding step is a
+    no-op. grad sum = (-1,0) + (-0.5,0); mean loss = (0.5 + 0.125) / 2."""
+    model = QuadraticModel()
+    start = w(0.0, 0.0)
+    res = local_train(plain_objective(model), start, client_data((1.0, 0.0), steps=3, real_steps=2), sgd(0.5))
+    assert torch.allclose(res.params["w"], torch.tensor([0.75, 0.0]))
+    assert torch.allclose(res.grad_sum["w"], torch.tensor([-1.5, 0.0]))
+    assert float(res.steps) == 2.0 and abs(float(res.loss) - 0.3125) < 1e-7
+    assert torch.equal(start["w"], torch.zeros(2)), "local_train must not write into its inputs"
+
+
+def test_transforms_shift_mix_momentum() -> None:
+    model = QuadraticModel()
+    data = client_data((1.0, 0.0), steps=1)
+    # shift: g + d with d = (1, 1): g = (-1, 0) + (1, 1) = (0, 1); w = -0.5 * (0, 1)
+    res = local_train(plain_objective(model), w(0.0, 0.0), data, chain(shift(w(1.0, 1.0)), sgd(0.5)))
+    assert torch.allclose(res.params["w"], torch.tensor([0.0, -0.5]))
+    # mix: 0.5 g + 0.5 m with m = (2, 2): (-0.5 + 1, 1) = (0.5, 1) -> w = -0.5 * that
+    res = local_train(plain_objective(model), w(0.0, 0.0), data, chain(mix(w(2.0, 2.0), 0.5, 0.5), sgd(0.5)))
+    assert torch.allclose(res.params["w"], torch.tensor([-0.25, -0.5]))
+    # heavy ball, 2 steps, beta 0.5: v1 = g1 = (-1,0), w1 = (0.5,0); g2 = (-0.5,0), v2 = 0.5 v1 + g2 = (-1,0)
+    res = local_train(plain_objective(model), w(0.0, 0.0), client_data((1.0, 0.0), steps=2), sgd(0.5, momentum=0.5))
+    assert torch.allclose(res.params["w"], torch.tensor([1.0, 0.0]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Toy(FedAlgorithm):
+    name = "toy"
+    beta: float = hp(0.5, "a coefficient", ge=0, lt=1)
+    mode: str = hp("a", "a mode", choices=("a", "b"))
+    flag: bool = hp(True, "a switch")
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"beta": 1.0}, r"algorithm.beta=1.0: must be < 1"),
+        ({"beta": "x"}, r"algorithm.beta='x': expected float, got str"),
+        ({"mode": "c"}, r"algorithm.mode='c': choose one of 'a', 'b'"),
+        ({"flag": 1}, r"algorithm.flag=1: expected bool, got int"),
+        ({"lr": float("nan")}, r"algorithm.lr=nan: must be a finite number"),
+        ({"gamma": 1}, r"algorithm.gamma: unknown setting for toy; valid: beta, flag, lr, mode"),
+    ],
+)
+def test_hyperparameters_are_validated(settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _Toy.from_config(settings)
+
+
+def test_int_accepted_for_float() -> None:
+    assert _Toy.from_config({"lr": 1}).lr == 1.0
