@@ -101,8 +101,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hafedho", description="Federated learning: HaFedHo and baselines.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one experiment")
-    r.add_argument("config", nargs="?", help="TOML file or embedded name (default, demo, smoke)")
-    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.mu=0.01 data.q=0.1")
+    r.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="[CONFIG] KEY=VALUE",
+        help="a TOML file or embedded config name (default, demo, smoke), then dotted overrides, e.g. data.q=0.1",
+    )
     r.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoint")
     r.add_argument("--force", action="store_true", help="delete an existing run directory and start over")
     r.add_argument("--out", help="folder for run directories (overrides `out`)")
@@ -123,10 +127,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    # "run CONFIG k=v": argparse may take the first override as the config; a key=value is never a file.
-    if getattr(args, "config", None) and "=" in args.config and not Path(args.config).exists():
-        args.overrides, args.config = [args.config, *args.overrides], None
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    # Overrides may also follow options ("run smoke --quiet data.q=0.1"); anything else unknown is an error.
+    if extra and (not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *extra]
+    if args.command == "run":  # the first item is the config unless it is a key=value
+        first = args.overrides[0] if args.overrides else None
+        args.config = first if first is not None and "=" not in first else None
+        args.overrides = args.overrides[1:] if args.config else args.overrides
     from hafedho.data.partition import PartitionError
     from hafedho.data.sources import DataError
     from hafedho.results import RunDirError

@@ -27,6 +27,9 @@ class DataConfig:
     num_clients: int = hp(0, "N; 0 = all groups for natural, 100 otherwise", ge=0)
     min_size: int = hp(10, "Dirichlet: redraw until every client holds at least this many samples", ge=1)
     partition_seed: int | None = hp(None, "seed of the partition; None = the run seed")
+    local_test_fraction: float | None = hp(
+        None, "held-out share of each client's data for personalised accuracy; None = 0.2 if personalised", ge=0, lt=1
+    )
     options: dict | None = hp(None, "source-specific options, e.g. {alpha = 1.0, beta = 1.0} for synthetic")
 
 
@@ -59,6 +62,11 @@ class Config:
     eval_every: int = hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
     checkpoint_every: int = hp(10, "checkpoint every k rounds (and at the last)", ge=1)
     engine: str = hp("loop", "simulation engine", choices=("loop",))
+    client_store: str = hp(
+        "auto",
+        "per-client state in RAM or memory-mapped on disk; auto = disk above 2 GiB",
+        choices=("auto", "memory", "disk"),
+    )
     name: str | None = hp(None, "run name; None = ALGORITHM-SOURCE-sSEED")
     out: str = hp("runs", "folder that holds run directories")
     data: DataConfig = field(default_factory=DataConfig)

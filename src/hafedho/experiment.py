@@ -11,16 +11,15 @@ from hafedho.algorithms import REGISTRY, build_algorithm
 from hafedho.config import Config, ConfigError
 from hafedho.core import FedAlgorithm, FunctionalModel
 from hafedho.data import partition as P
-from hafedho.data.federated import FederatedData
+from hafedho.data.federated import FederatedData, split_local_test
 from hafedho.data.sources import Dataset, load_dataset
 from hafedho.models import build_model
 from hafedho.sim.runner import Experiment
 from hafedho.sim.seeds import seed_for
 
 
-def make_partition(cfg: Config, ds: Dataset) -> list[np.ndarray]:
+def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:
     d = cfg.data
-    seed = cfg.seed if d.partition_seed is None else d.partition_seed
     if d.partition == "natural":
         if ds.groups is None:
             raise ConfigError(f"data.partition='natural': source {ds.name!r} has no natural clients; use 'dirichlet'")
@@ -53,8 +52,16 @@ def algorithm_from_table(table: dict[str, Any]) -> FedAlgorithm:
 def build(cfg: Config) -> Experiment:
     alg = algorithm_from_table(cfg.algorithm)  # fail on bad hyperparameters before loading any data
     ds = load_dataset(cfg.data.source, cfg.data.path, **(cfg.data.options or {}))
-    parts = make_partition(cfg, ds)
-    fed = FederatedData(ds.x_train, ds.y_train, ds.x_test, ds.y_test, parts, ds.mean, ds.std)
+    pseed = cfg.seed if cfg.data.partition_seed is None else cfg.data.partition_seed
+    parts = make_partition(cfg, ds, pseed)
+    frac = cfg.data.local_test_fraction
+    frac = (0.2 if alg.personalized else 0.0) if frac is None else frac
+    local_test = None
+    if frac > 0:
+        parts, local_test = split_local_test(
+            parts, frac, cfg.seed if cfg.data.partition_seed is None else cfg.data.partition_seed
+        )
+    fed = FederatedData(ds.x_train, ds.y_train, ds.x_test, ds.y_test, parts, ds.mean, ds.std, local_test)
     torch.manual_seed(seed_for(cfg.seed, "model_init"))  # same initial model for every algorithm
     try:
         module = build_model(cfg.model.name, fed.input_shape, ds.num_classes, **(cfg.model.options or {}))

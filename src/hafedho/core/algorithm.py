@@ -74,6 +74,7 @@ class FedAlgorithm:
     """
 
     name: ClassVar[str] = ""
+    personalized: ClassVar[bool] = False  # True: also report accuracy of each client's own model on its local test data
     lr: float = hp(0.05, "local learning rate eta_l of plain SGD", gt=0)
 
     def __post_init__(self) -> None:
@@ -103,6 +104,10 @@ class FedAlgorithm:
 
     def eval_params(self, server: Any, client_state: Any = None) -> Params:
         return server.params
+
+    def predict(self, server: Any, client_state: Any, model: Any, x: Tensor) -> Tensor:
+        """Logits of the model a client would deploy (personalised algorithms override this)."""
+        return model.logits(self.eval_params(server, client_state), x)
 
     def run_notes(self, local_steps: int) -> dict[str, float]:
         """Facts worth logging once per run (HaFedHo: ``lambda*mu``); may warn."""

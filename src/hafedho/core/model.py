@@ -35,6 +35,17 @@ class FunctionalModel:
     def features(self, params: Params, x: Tensor) -> tuple[Tensor, Tensor]:
         return functional_call(self.module, (params, self.buffers), (x,), {"return_features": True})
 
+    @property
+    def head_names(self) -> tuple[str, str]:
+        """Names of the final Linear layer's weight and bias (the last two parameters, by our models' contract)."""
+        names = list(dict(self.module.named_parameters()))
+        return names[-2], names[-1]
+
+    def head(self, params: Params, z: Tensor) -> Tensor:
+        """The final Linear layer applied to a representation z (pFedAFM mixes representations before it)."""
+        w, b = self.head_names
+        return F.linear(z, params[w], params[b])
+
     def loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
         return self.loss_from_logits(params, self.logits(params, x), y, mask)
 

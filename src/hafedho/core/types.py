@@ -58,6 +58,12 @@ class Model(Protocol):
         """Masked mean cross-entropy of one batch (0 when the batch is all padding)."""
         ...
 
+    def loss_from_logits(self, params: Params, logits: Tensor, y: Tensor, mask: Tensor) -> Tensor: ...
+
+    def head(self, params: Params, z: Tensor) -> Tensor:
+        """The final Linear layer applied to a representation z."""
+        ...
+
 
 class Aggregator(Protocol):
     """Streaming reduction of weighted uploads; ``result`` gives the aggregate or None if nothing arrived."""

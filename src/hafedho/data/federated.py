@@ -60,6 +60,21 @@ def plan_indices(rng: np.random.Generator, n: int, plan: BatchPlan) -> tuple[np.
     return pos, mask
 
 
+def split_local_test(parts: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Hold out ``round(fraction * n_i)`` of each client's examples (at most n_i - 1) as its local test set.
+
+    Personalised algorithms are judged on each client's own distribution, which the global test set is not.
+    """
+    rng = rng_for(seed, "local_test")
+    train, test = [], []
+    for p in parts:
+        perm = rng.permutation(p)
+        k = min(round(fraction * len(p)), len(p) - 1)
+        test.append(np.sort(perm[:k]))
+        train.append(np.sort(perm[k:]))
+    return train, test
+
+
 class FederatedData:
     """Train/test tensors plus the partition, producing each client's ``ClientData`` for a round.
 
@@ -78,12 +93,14 @@ class FederatedData:
         parts: list[np.ndarray],
         mean: tuple[float, ...] | None = None,
         std: tuple[float, ...] | None = None,
+        local_test: list[np.ndarray] | None = None,
     ) -> None:
         self.x_train = torch.from_numpy(np.ascontiguousarray(x_train))
         self.y_train = torch.from_numpy(np.ascontiguousarray(y_train)).long()
         self.x_test_raw = torch.from_numpy(np.ascontiguousarray(x_test))
         self.y_test = torch.from_numpy(np.ascontiguousarray(y_test)).long()
         self.parts = [np.asarray(p, dtype=np.int64) for p in parts]
+        self.local_test = local_test  # per-client held-out train indices (personalised evaluation), or None
         self.sizes = np.array([len(p) for p in self.parts], dtype=np.int64)
         if (self.sizes == 0).any():
             empty = int(np.flatnonzero(self.sizes == 0)[0])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from hafedho.config import Config, cohort_size, dump_toml, read_toml
@@ -29,6 +30,8 @@ from hafedho.sim import checkpoint
 from hafedho.sim.engines import ENGINES
 from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.sim.store import ClientStore
+
+DISK_STORE_ABOVE = 2 * 1024**3  # client_store="auto": memory-map per-client state larger than this
 
 
 class Divergence(RuntimeError):
@@ -55,6 +58,39 @@ class Experiment:
         if s.mode == "bernoulli":
             return bernoulli_cohort(self.cfg.seed, rnd, n, s.prob)
         return fixed_cohort(self.cfg.seed, rnd, n, cohort_size(self.cfg, n))
+
+
+@torch.no_grad()
+def personal_accuracy(alg: FedAlgorithm, server: Any, store: ClientStore, fed: FederatedData, model: Any) -> float:
+    """Accuracy of each client's deployed model (``alg.predict``) on its own held-out data, pooled over clients.
+
+    For personalised algorithms this is the paper's metric; it is not comparable with global-model accuracy.
+    """
+    was_training = model.module.training
+    model.module.eval()
+    correct = total = 0
+    for cid, idx in enumerate(fed.local_test):
+        if len(idx) == 0:
+            continue
+        x = fed.preprocess(fed.x_train[torch.from_numpy(idx)])
+        logits = alg.predict(server, store.gather(cid), model, x)
+        correct += int((logits.argmax(1) == fed.y_train[torch.from_numpy(idx)]).sum())
+        total += len(idx)
+    model.module.train(was_training)
+    return correct / max(total, 1)
+
+
+def save_checkpoint(run_dir: Path, t: int, server: Any, store: ClientStore, wall: float) -> None:
+    """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it."""
+    extra: dict[str, Any] = {"wall_s": wall}
+    if store.path is None:
+        checkpoint.save(run_dir / "checkpoint.pt", t, server, store.state_dict(), extra)
+        return
+    store.snapshot(run_dir / f"store_r{t}")
+    checkpoint.save(run_dir / "checkpoint.pt", t, server, [], {**extra, "store_dir": f"store_r{t}"})
+    for old in run_dir.glob("store_r*"):  # only after the new checkpoint is in place
+        if old.name != f"store_r{t}":
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> None:
@@ -96,12 +132,19 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
 
     params0 = model.params()
     server = alg.init_server(params0)
-    store = ClientStore(alg.init_client(params0), fed.num_clients)
+    template = alg.init_client(params0)
+    on_disk = cfg.client_store == "disk" or (
+        cfg.client_store == "auto" and fed.num_clients * ClientStore.template_nbytes(template) > DISK_STORE_ABOVE
+    )
+    store = ClientStore(template, fed.num_clients, run_dir / "client_store" if on_disk else None)
     start, wall = 1, 0.0
     ckpt = run_dir / "checkpoint.pt"
     if resume and ckpt.exists():
         done_round, server, store_leaves, extra = checkpoint.load(ckpt, server)
-        store.load_state_dict(store_leaves)
+        if "store_dir" in extra:
+            store.restore(run_dir / extra["store_dir"])
+        else:
+            store.load_state_dict(store_leaves)
         start, wall = done_round + 1, float(extra.get("wall_s", 0.0))
     truncate_metrics(run_dir, start - 1)  # rounds after the checkpoint are recomputed identically
 
@@ -129,6 +172,8 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
         if t % cfg.eval_every == 0 or t == cfg.rounds:
             ev = evaluate(model, alg.eval_params(server), x_test, y_test)
             row.update({"test/acc": ev["acc"], "test/loss": ev["loss"]})
+            if fed.local_test is not None:
+                row["test/personal_acc"] = personal_accuracy(alg, server, store, fed, model)
             bar.set_postfix(acc=f"{ev['acc']:.3f}")
         row.update(
             {"wall_s": round(wall, 4), "bytes_up": out.bytes_up, "bytes_down": len(cohort) * tree.num_bytes(msg)}
@@ -136,7 +181,7 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
         append_metrics(run_dir, row)
         last = row
         if t % cfg.checkpoint_every == 0 or t == cfg.rounds:
-            checkpoint.save(ckpt, t, server, store.state_dict(), {"wall_s": wall})
+            save_checkpoint(run_dir, t, server, store, wall)
             start = t + 1
     bar.close()
     atomic_write_text(run_dir / "done", "")

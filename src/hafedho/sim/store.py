@@ -6,6 +6,8 @@ client's state is touched (partial participation keeps stale state exactly).
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,31 @@ class ClientStore:
             if dst.shape != src.shape:
                 raise ValueError(f"checkpoint client state has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(src)
+
+    def snapshot(self, folder: Path) -> None:
+        """Copy every leaf to ``folder/leafK.npy`` (written under a temporary name, then renamed into place)."""
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for i, leaf in enumerate(self.leaves):
+            np.save(tmp / f"leaf{i}.npy", leaf.numpy())
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+
+    def restore(self, folder: Path) -> None:
+        """Copy a snapshot back leaf by leaf (numpy to numpy, so a memory-mapped store never sits in RAM)."""
+        for i, dst in enumerate(self.leaves):
+            try:
+                src = np.load(folder / f"leaf{i}.npy", mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"client-store snapshot {folder} is missing or corrupt ({e})") from None
+            if src.shape != tuple(dst.shape):
+                raise ValueError(f"client-store snapshot {folder} has shape {src.shape}, expected {tuple(dst.shape)}")
+            dst.numpy()[...] = src
+
+    @staticmethod
+    def template_nbytes(template: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(template))
 
     def nbytes(self) -> int:
         return sum(leaf.numel() * leaf.element_size() for leaf in self.leaves)
