@@ -5,10 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from hafedho.algorithms.fedavg import FedAvg
+from hafedho.algorithms.fedavgm import FedAvgM
+from hafedho.algorithms.fedsgd import FedSGD
 from hafedho.algorithms.hafedho import HaFedHo
+from hafedho.algorithms.mimelite import MimeLite
+from hafedho.algorithms.pfedafm import PFedAFM
 from hafedho.core import ConfigError, FedAlgorithm
 
-REGISTRY: dict[str, type[FedAlgorithm]] = {cls.name: cls for cls in (FedAvg, HaFedHo)}
+REGISTRY: dict[str, type[FedAlgorithm]] = {
+    cls.name: cls for cls in (HaFedHo, FedAvg, MimeLite, PFedAFM, FedAvgM, FedSGD)
+}
 
 
 def build_algorithm(name: str, settings: dict[str, Any] | None = None) -> FedAlgorithm:

@@ -3,7 +3,17 @@
 from hafedho.core import tree
 from hafedho.core.aggregate import WeightedMean
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, hp
-from hafedho.core.local import LocalResult, Transform, chain, local_train, mix, plain_objective, sgd, shift
+from hafedho.core.local import (
+    LocalResult,
+    Transform,
+    chain,
+    full_gradient,
+    local_train,
+    mix,
+    plain_objective,
+    sgd,
+    shift,
+)
 from hafedho.core.model import FunctionalModel
 from hafedho.core.tree import Params
 from hafedho.core.types import Algorithm, ClientData, ClientInfo, ClientResult, Model, RoundInfo
@@ -23,6 +33,7 @@ __all__ = [
     "Transform",
     "WeightedMean",
     "chain",
+    "full_gradient",
     "hp",
     "local_train",
     "mix",

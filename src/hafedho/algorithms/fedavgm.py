@@ -1,0 +1,92 @@
+"""FedAvgM: Measuring the Effects of Non-Identical Data Distribution for Federated Visual Classification.
+
+Hsu, Qi, Brown, arXiv:1909.06335, Section 4.2 ("Federated Averaging with Server Momentum"): FedAvg's local
+training, with heavy-ball momentum on the server applied to the averaged client update.
+
+Round t, cohort S_t of m clients:
+    client i:  y_i <- x_t;  K steps  y_i <- y_i - eta_l grad f_i(y_i; batch);  upload Delta_i = y_i - x_t
+    server:    Delta_w = -sum_i p_i Delta_i / sum_i p_i  (= x_t - weighted mean of the y_i, the paper's Delta w)
+               v <- beta v + Delta_w
+               x_{t+1} = x_t - eta_g v
+
+Sign convention: clients upload Delta_i = y_i - x_t as in FedAvg here; the server's Delta_w and v are in the
+paper's pseudo-gradient direction (plain FedAvg is x <- x - Delta_w), so v points *against* the update.
+
+Symbols:
+    x_t (``params``)   global model             eta_l (``lr``)          local learning rate
+    v (``v``)          server momentum buffer   beta (``beta``)         server momentum
+    Delta_w            averaged pseudo-gradient eta_g (``server_lr``)   server step
+    p_i                |D_i| (``weighting="data_size"``, the paper's n_k/n) or 1 (``"uniform"``)
+
+The paper writes x <- x - v, i.e. eta_g = 1 (the default); eta_g is the server learning rate of Reddi et al.
+(arXiv:2003.00295) and of Flower's FedAvgM. The paper discusses the effective rate eta_eff = eta_l / (1 - beta).
+v accumulates Delta_w itself (not (1 - beta) Delta_w, a known divergence from the paper in APPFL's FedAvgM).
+
+Reduces to FedAvg exactly when beta = 0 (same ``weighting`` and ``server_lr``; eta_g = 1: plain FedAvg).
+An empty round changes nothing (v is not decayed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from hafedho.core import (
+    ClientData,
+    ClientInfo,
+    ClientResult,
+    FedAlgorithm,
+    Model,
+    Params,
+    RoundInfo,
+    hp,
+    local_train,
+    plain_objective,
+    sgd,
+    tree,
+)
+
+
+class ServerState(NamedTuple):
+    params: Params  # x_t
+    v: Params  # server momentum buffer of pseudo-gradients
+
+
+class Broadcast(NamedTuple):
+    params: Params  # x_t (v stays on the server)
+
+
+class Upload(NamedTuple):
+    delta: Params  # Delta_i = y_i - x_t
+
+
+@dataclass(frozen=True, kw_only=True)
+class FedAvgM(FedAlgorithm):
+    name = "fedavgm"
+    beta: float = hp(0.9, "server momentum beta in v <- beta v + Delta_w (0 = FedAvg)", ge=0, lt=1)
+    server_lr: float = hp(1.0, "server learning rate eta_g in x <- x - eta_g v (the paper: 1)", gt=0)
+    weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
+
+    def init_server(self, params: Params) -> ServerState:
+        return ServerState(params, tree.zeros_like(params))
+
+    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
+        return Broadcast(server.params)
+
+    def client_update(
+        self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult:
+        res = local_train(plain_objective(model), msg.params, data, sgd(self.lr))
+        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
+        return ClientResult(Upload(tree.sub(res.params, msg.params)), weight, state, {"train/loss": res.loss})
+
+    def server_update(
+        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
+    ) -> tuple[ServerState, dict[str, float]]:
+        if agg is None:  # nobody reported: the round did not happen
+            return server, {}
+        v = tree.axpy(self.beta, server.v, tree.scale(agg.delta, -1.0))  # beta v + Delta_w, Delta_w = -mean Delta_i
+        params = tree.axpy(-self.server_lr, v, server.params)
+        return ServerState(params, v), {"server/v_norm": float(tree.sq_norm(v).sqrt())}

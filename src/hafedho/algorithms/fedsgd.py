@@ -1,0 +1,82 @@
+"""FedSGD: the large-batch synchronous SGD baseline of "Communication-Efficient Learning of Deep Networks
+from Decentralized Data".
+
+McMahan, Moore, Ramage, Hampson, Aguera y Arcas, AISTATS 2017, arXiv:1602.05629, Section 2 ("FederatedSGD"):
+each selected client computes ONE gradient of its loss at the current model on its local data; the server
+averages the gradients and takes one step.
+
+Round t, cohort S_t of m clients:
+    client k:  g_k = grad F_k(w_t), the masked-mean gradient over ALL of the round's data at once
+               (``core.full_gradient``: [S, B] flattened to [S*B]; no local steps, no loop)
+    server:    w_{t+1} = w_t - eta sum_k p_k g_k / sum_k p_k
+
+Symbols:
+    w_t (``params``)   global model        eta (``lr``)   learning rate, applied on the server
+    g_k (``grad``)     client gradient     p_k            n_k (``weighting="data_size"``, the paper) or 1
+
+How much data "all of it" is, is the runtime's choice: one local epoch gives the paper's full local batch
+(B = infinity); a step count S with batch B gives S*B sampled examples (the paper's C-fraction, B = S*B).
+
+Equals FedAvg with ONE local step on the same examples as one batch (S = 1, B = S*B) and the same eta and
+weighting: FedAvg's Delta_k = -eta g_k, so its server step is the same.
+An empty round changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from hafedho.core import (
+    ClientData,
+    ClientInfo,
+    ClientResult,
+    FedAlgorithm,
+    Model,
+    Params,
+    RoundInfo,
+    full_gradient,
+    hp,
+    tree,
+)
+
+
+class ServerState(NamedTuple):
+    params: Params  # w_t
+
+
+class Broadcast(NamedTuple):
+    params: Params  # w_t
+
+
+class Upload(NamedTuple):
+    grad: Params  # g_k = grad F_k(w_t)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FedSGD(FedAlgorithm):
+    name = "fedsgd"
+    lr: float = hp(0.05, "learning rate eta of the server step w <- w - eta g (no local steps)", gt=0)
+    weighting: str = hp("data_size", "aggregation weight p_k", choices=("data_size", "uniform"))
+
+    def init_server(self, params: Params) -> ServerState:
+        return ServerState(params)
+
+    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
+        return Broadcast(server.params)
+
+    def client_update(
+        self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult:
+        g, f = full_gradient(model, msg.params, data)
+        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
+        return ClientResult(Upload(g), weight, state, {"train/loss": f})
+
+    def server_update(
+        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
+    ) -> tuple[ServerState, dict[str, float]]:
+        if agg is None:  # nobody reported: the round did not happen
+            return server, {}
+        return ServerState(tree.axpy(-self.lr, agg.grad, server.params)), {}

@@ -1,0 +1,105 @@
+"""FedAvgM (server momentum, Hsu et al. Section 4.2) against rounds computed by hand.
+
+Problem: f_i(w) = 1/2 ||w - a_i||^2 in R^2, a_1 = (1, 0), a_2 = (0, 2), a_3 = (-1, -1); n_i = (1, 1, 2)
+(data-size weights); eta_l = 0.5, K = 2 local steps, beta = 0.5, eta_g = 0.5, x_0 = (0, 0), v_0 = 0.
+Cohorts: round 1 {1, 2}, round 2 {2, 3}: client 1 skips round 2, client 3 joins in round 2.
+Two local GD steps with eta_l = 0.5 give y = a + 0.25 (x - a), so Delta_i = y_i - x = 0.75 (a_i - x).
+
+Round 1: Delta_1 = (0.75, 0), Delta_2 = (0, 1.5); mean (weights 1, 1) = (0.375, 0.75)
+    Delta_w = -(0.375, 0.75);  v_1 = 0.5 * 0 + Delta_w = (-0.375, -0.75);  x_1 = x_0 - 0.5 v_1 = (0.1875, 0.375)
+Round 2: Delta_2 = 0.75 ((0, 2) - x_1) = (-0.140625, 1.21875); Delta_3 = 0.75 ((-1, -1) - x_1) = (-0.890625, -1.03125)
+    mean (weights 1, 2) = ((-0.140625 - 1.78125) / 3, (1.21875 - 2.0625) / 3) = (-0.640625, -0.28125)
+    Delta_w = (0.640625, 0.28125);  v_2 = 0.5 v_1 + Delta_w = (-0.1875 + 0.640625, -0.375 + 0.28125)
+        = (0.453125, -0.09375);  x_2 = x_1 - 0.5 v_2 = (0.1875 - 0.2265625, 0.375 + 0.046875) = (-0.0390625, 0.421875)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quadratic import QuadraticModel, client_data, info, rnd, w
+
+from hafedho.algorithms.fedavg import FedAvg
+from hafedho.algorithms.fedavgm import FedAvgM, ServerState
+from hafedho.core import ConfigError, WeightedMean
+
+A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
+N = {1: 1.0, 2: 1.0, 3: 2.0}
+MODEL = QuadraticModel()
+
+
+def run_round(alg, server, states, cohort, t, steps=2):
+    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
+    r = rnd(t, len(cohort))
+    msg = alg.broadcast(server, r)
+    agg, results = WeightedMean(), {}
+    for i in cohort:
+        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(N[i] / 4, N[i]), r, MODEL)
+        agg.add(res.upload, res.weight)
+        states[i] = res.state
+        results[i] = res
+    server, _ = alg.server_update(server, agg.result(), r)  # None when nobody reported
+    return server, results
+
+
+def close(a, b):
+    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
+
+
+def test_two_rounds_by_hand() -> None:
+    alg = FedAvgM(lr=0.5, beta=0.5, server_lr=0.5)
+    server = alg.init_server(w(0.0, 0.0))
+    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
+    s1, r1 = run_round(alg, server, states, [1, 2], 1)
+    assert close(r1[1].upload.delta, [0.75, 0.0]) and close(r1[2].upload.delta, [0.0, 1.5])
+    assert close(s1.v, [-0.375, -0.75]) and close(s1.params, [0.1875, 0.375])
+    s2, r2 = run_round(alg, s1, states, [2, 3], 2)
+    assert close(r2[2].upload.delta, [-0.140625, 1.21875]) and close(r2[3].upload.delta, [-0.890625, -1.03125])
+    assert r2[3].weight == 2.0
+    assert close(s2.v, [0.453125, -0.09375]) and close(s2.params, [-0.0390625, 0.421875])
+    assert states[1] == () and states[3] == ()  # stateless clients: nothing stale to keep for the skipper
+
+
+def test_broadcast_is_the_model_only() -> None:
+    alg = FedAvgM()
+    msg = alg.broadcast(ServerState(w(1.0, 2.0), w(3.0, 4.0)), rnd(1, 1))
+    assert msg._fields == ("params",) and close(msg.params, [1.0, 2.0])
+
+
+@pytest.mark.parametrize(("weighting", "server_lr"), [("data_size", 1.0), ("uniform", 0.7)])
+def test_beta_zero_is_fedavg_exactly(weighting: str, server_lr: float) -> None:
+    m = FedAvgM(lr=0.5, beta=0.0, server_lr=server_lr, weighting=weighting)
+    f = FedAvg(lr=0.5, server_lr=server_lr, weighting=weighting)
+    ms, fs = m.init_server(w(0.3, -0.2)), f.init_server(w(0.3, -0.2))
+    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
+        ms, _ = run_round(m, ms, {i: () for i in A}, cohort, t, steps=3)
+        fs, _ = run_round(f, fs, {i: () for i in A}, cohort, t, steps=3)
+        if server_lr == 1.0:
+            assert torch.equal(ms.params["w"], fs.params["w"])
+        else:
+            assert torch.allclose(ms.params["w"], fs.params["w"], atol=1e-7)
+
+
+def test_empty_round_keeps_state() -> None:
+    """No upload: x and v stay exactly (v is not decayed), and the next round continues from them."""
+    alg = FedAvgM(lr=0.5, beta=0.5, server_lr=0.5)
+    s1, _ = run_round(alg, alg.init_server(w(0.0, 0.0)), {i: () for i in A}, [1, 2], 1)
+    s_empty, _ = run_round(alg, s1, {i: () for i in A}, [], 2)
+    assert s_empty is s1
+    assert alg.server_update(s1, None, rnd(2, 0)) == (s1, {})
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"beta": 1}, "algorithm.beta=1.0: must be < 1"),
+        ({"beta": -0.5}, "algorithm.beta=-0.5: must be >= 0"),
+        ({"server_lr": -1.0}, "algorithm.server_lr=-1.0: must be > 0"),
+        ({"weighting": "equal"}, "algorithm.weighting='equal': choose one of 'data_size', 'uniform'"),
+        ({"momentum": 0.9}, "algorithm.momentum: unknown setting for fedavgm; valid: beta, lr, server_lr, weighting"),
+    ],
+)
+def test_bad_hyperparameters(settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        FedAvgM.from_config(settings)
+    assert str(err.value) == message

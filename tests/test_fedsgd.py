@@ -1,0 +1,115 @@
+"""FedSGD (one full-batch gradient per client per round) against rounds computed by hand.
+
+Problem: f_i(w) = 1/2 ||w - a_i||^2 in R^2, a_1 = (1, 0), a_2 = (0, 2), a_3 = (-1, -1); n_i = (1, 1, 2)
+(data-size weights); eta = 0.5, w_0 = (0, 0); g_k = w - a_k whatever the number of batches.
+Cohorts: round 1 {1, 3}, round 2 {2, 3}: client 1 skips round 2, client 2 joins in round 2.
+
+Round 1: g_1 = (-1, 0), g_3 = (1, 1); f_1 = 0.5, f_3 = 1
+    mean (weights 1, 2) = ((-1 + 2) / 3, (0 + 2) / 3) = (1/3, 2/3);  w_1 = w_0 - 0.5 (1/3, 2/3) = (-1/6, -1/3)
+Round 2: g_2 = w_1 - (0, 2) = (-1/6, -7/3), g_3 = w_1 - (-1, -1) = (5/6, 2/3)
+    mean (weights 1, 2) = ((-1/6 + 5/3) / 3, (-7/3 + 4/3) / 3) = (1/2, -1/3);  w_2 = (-1/6 - 1/4, -1/3 + 1/6)
+    = (-5/12, -1/6)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quadratic import QuadraticModel, client_data, info, rnd, w
+
+from hafedho.algorithms.fedavg import FedAvg
+from hafedho.algorithms.fedsgd import FedSGD
+from hafedho.core import ClientData, ConfigError, WeightedMean
+
+A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
+N = {1: 1.0, 2: 1.0, 3: 2.0}
+MODEL = QuadraticModel()
+
+
+def run_round(alg, server, states, cohort, t, data_fn=lambda i: client_data(A[i], 2)):
+    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
+    r = rnd(t, len(cohort))
+    msg = alg.broadcast(server, r)
+    agg, results = WeightedMean(), {}
+    for i in cohort:
+        res = alg.client_update(msg, states[i], data_fn(i), info(N[i] / 4, N[i]), r, MODEL)
+        agg.add(res.upload, res.weight)
+        states[i] = res.state
+        results[i] = res
+    server, _ = alg.server_update(server, agg.result(), r)  # None when nobody reported
+    return server, results
+
+
+def close(a, b):
+    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
+
+
+def test_two_rounds_by_hand() -> None:
+    alg = FedSGD(lr=0.5)
+    server = alg.init_server(w(0.0, 0.0))
+    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
+    s1, r1 = run_round(alg, server, states, [1, 3], 1)
+    assert close(r1[1].upload.grad, [-1.0, 0.0]) and close(r1[3].upload.grad, [1.0, 1.0])
+    assert float(r1[1].metrics["train/loss"]) == 0.5 and float(r1[3].metrics["train/loss"]) == 1.0
+    assert r1[3].weight == 2.0
+    assert close(s1.params, [-1 / 6, -1 / 3])
+    s2, r2 = run_round(alg, s1, states, [2, 3], 2)
+    assert close(r2[2].upload.grad, [-1 / 6, -7 / 3]) and close(r2[3].upload.grad, [5 / 6, 2 / 3])
+    assert close(s2.params, [-5 / 12, -1 / 6])
+    assert states[1] == () and states[2] == ()  # stateless clients: nothing stale to keep for the skipper
+
+
+def test_one_gradient_at_w_not_local_steps() -> None:
+    """However many batches (S = 5, two of them padding), the upload is grad f at w itself: w - a = (1, 3)."""
+    alg = FedSGD(lr=0.5)
+    msg = alg.broadcast(alg.init_server(w(0.0, 2.0)), rnd(1, 1))
+    res = alg.client_update(msg, (), client_data(A[3], 5, real_steps=3), info(0.5, 2.0), rnd(1, 1), MODEL)
+    assert close(res.upload.grad, [1.0, 3.0]) and abs(float(res.metrics["train/loss"]) - 5.0) < 1e-6
+
+
+def test_mask_weights_real_examples_only() -> None:
+    """Real rows (1, 0), (0, 2), (0, 2); a padded row (100, 100) and a padded step are ignored.
+    At w = (0, 0): grad = -(mean of real rows) = -(1/3, 4/3)."""
+    x = torch.tensor([[[1.0, 0.0], [100.0, 100.0]], [[0.0, 2.0], [0.0, 2.0]], [[50.0, -50.0], [50.0, -50.0]]])
+    data = ClientData(x, torch.zeros(3, 2, dtype=torch.long), torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
+    alg = FedSGD(lr=0.5)
+    res = alg.client_update(alg.init_server(w(0.0, 0.0)), (), data, info(0.25, 3.0), rnd(1, 1), MODEL)
+    assert close(res.upload.grad, [-1 / 3, -4 / 3])
+
+
+@pytest.mark.parametrize("weighting", ["data_size", "uniform"])
+def test_equals_fedavg_with_one_full_batch_step(weighting: str) -> None:
+    """FedSGD on S = 3 batches of 2 == FedAvg with ONE local step on the same 6 rows as one batch (S = 1, B = 6).
+    Clients hold two different points so the batch mean matters: rows alternate a_i and a_i + (1, 1)."""
+
+    def rows(i: int, steps: int, batch: int) -> ClientData:
+        a = torch.tensor(A[i])
+        x = torch.stack([a, a + 1.0, a, a + 1.0, a, a + 1.0]).reshape(steps, batch, 2)
+        return ClientData(x, torch.zeros(steps, batch, dtype=torch.long), torch.ones(steps, batch))
+
+    s, f = FedSGD(lr=0.3, weighting=weighting), FedAvg(lr=0.3, weighting=weighting)
+    ss, fs = s.init_server(w(0.2, -0.4)), f.init_server(w(0.2, -0.4))
+    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
+        ss, _ = run_round(s, ss, {i: () for i in A}, cohort, t, data_fn=lambda i: rows(i, 3, 2))
+        fs, _ = run_round(f, fs, {i: () for i in A}, cohort, t, data_fn=lambda i: rows(i, 1, 6))
+        assert torch.allclose(ss.params["w"], fs.params["w"], atol=1e-6)
+
+
+def test_empty_round_keeps_server_state() -> None:
+    alg = FedSGD()
+    s = alg.init_server(w(1.0, 2.0))
+    assert alg.server_update(s, None, rnd(1, 0))[0] is s
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"lr": 0.0}, "algorithm.lr=0.0: must be > 0"),
+        ({"weighting": "equal"}, "algorithm.weighting='equal': choose one of 'data_size', 'uniform'"),
+        ({"local_steps": 1}, "algorithm.local_steps: unknown setting for fedsgd; valid: lr, weighting"),
+    ],
+)
+def test_bad_hyperparameters(settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        FedSGD.from_config(settings)
+    assert str(err.value) == message
