@@ -190,3 +190,13 @@ def test_client_without_samples_is_a_config_error() -> None:
     x, y = np.zeros((4, 2), np.float32), np.zeros(4, np.int64)
     with pytest.raises(ConfigError, match="client 1 has no training samples"):
         FederatedData(x, y, x, y, [np.arange(4), np.array([], dtype=np.int64)])
+
+
+def test_any_user_module_runs_in_the_reference_engine(tmp_path: Path) -> None:
+    """A plain nn.Module (no return_features, BatchNorm included) passed through the Python API."""
+    from torch import nn
+
+    module = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    exp = build(cfg_for(tmp_path, "rounds=2", "algorithm.name=fedavg"), module=module)
+    last = run(exp, tmp_path / "run", progress=False)
+    assert last["round"] == 2 and 0.0 <= last["test/acc"] <= 1.0

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from hafedho.algorithms import REGISTRY, build_algorithm
 from hafedho.config import Config, ConfigError
@@ -49,7 +50,15 @@ def algorithm_from_table(table: dict[str, Any]) -> FedAlgorithm:
     return build_algorithm(name, {**settings, **table.get(name, {})})
 
 
-def build(cfg: Config) -> Experiment:
+def build(cfg: Config, module: nn.Module | None = None) -> Experiment:
+    """Load data, partition it, build the model and the algorithm.
+
+    Args:
+        cfg: a validated config (``hafedho.config.load_config``).
+        module: any ``nn.Module`` mapping a batch of the source's inputs to logits, used instead of
+            ``cfg.model`` (the reference engine runs it as is; MOON and pFedAFM also need
+            ``forward(x, return_features=True) -> (z, logits)``).
+    """
     alg = algorithm_from_table(cfg.algorithm)  # fail on bad hyperparameters before loading any data
     ds = load_dataset(cfg.data.source, cfg.data.path, **(cfg.data.options or {}))
     pseed = cfg.seed if cfg.data.partition_seed is None else cfg.data.partition_seed
@@ -63,10 +72,11 @@ def build(cfg: Config) -> Experiment:
         )
     fed = FederatedData(ds.x_train, ds.y_train, ds.x_test, ds.y_test, parts, ds.mean, ds.std, local_test)
     torch.manual_seed(seed_for(cfg.seed, "model_init"))  # same initial model for every algorithm
-    try:
-        module = build_model(cfg.model.name, fed.input_shape, ds.num_classes, **(cfg.model.options or {}))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"model: {e}") from None
+    if module is None:
+        try:
+            module = build_model(cfg.model.name, fed.input_shape, ds.num_classes, **(cfg.model.options or {}))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"model: {e}") from None
     sizes = [len(p) for p in parts]
     partition = {
         "hash": P.partition_hash(parts),

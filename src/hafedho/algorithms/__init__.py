@@ -6,14 +6,21 @@ from typing import Any
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.fedavgm import FedAvgM
+from hafedho.algorithms.feddyn import FedDyn
+from hafedho.algorithms.fedlws import FedLWS
+from hafedho.algorithms.fedprox import FedProx
 from hafedho.algorithms.fedsgd import FedSGD
 from hafedho.algorithms.hafedho import HaFedHo
 from hafedho.algorithms.mimelite import MimeLite
+from hafedho.algorithms.moon import MOON
 from hafedho.algorithms.pfedafm import PFedAFM
+from hafedho.algorithms.scaffold import SCAFFOLD
 from hafedho.core import ConfigError, FedAlgorithm
 
+# The paper's order: HaFedHo, its eight baselines, then FedAvgM and FedSGD.
 REGISTRY: dict[str, type[FedAlgorithm]] = {
-    cls.name: cls for cls in (HaFedHo, FedAvg, MimeLite, PFedAFM, FedAvgM, FedSGD)
+    cls.name: cls
+    for cls in (HaFedHo, FedAvg, FedProx, SCAFFOLD, FedDyn, MimeLite, MOON, FedLWS, PFedAFM, FedAvgM, FedSGD)
 }
 
 

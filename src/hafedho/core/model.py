@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,6 +24,12 @@ class FunctionalModel:
     """
 
     def __init__(self, module: nn.Module, weight_decay: float = 0.0) -> None:
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+            # Running statistics are in-place buffer writes, which torch.func transforms forbid, and averaging
+            # them across clients is ill-defined anyway; BatchNorm then normalises with batch statistics in
+            # training and evaluation alike. Our models use GroupNorm.
+            warnings.warn("BatchNorm layers will use batch statistics (running stats are not tracked)", stacklevel=2)
+            torch.func.replace_all_batch_norm_modules_(module)
         self.module = module
         self.buffers = dict(module.named_buffers())
         self.weight_decay = weight_decay

@@ -1,0 +1,135 @@
+"""MOON: Model-Contrastive Federated Learning.
+
+Li, He, Song, CVPR 2021, arXiv:2103.16257 (Sec. 3.3 and Algorithm 1). Each client adds a model-contrastive term
+that pulls its representation of x towards the global model's and pushes it away from its own previous local
+model's:
+
+    l_con(w; x) = -log( exp(sim(z, z_glob)/tau) / (exp(sim(z, z_glob)/tau) + exp(sim(z, z_prev)/tau)) )
+    l(w; x, y)  = l_sup(w; x, y) + mu * l_con(w; x)        (cross-entropy + mu * contrastive)
+
+Round t, cohort S_t, global model w^t:
+    client i:  z = R_w(x), z_glob = R_{w^t}(x), z_prev = R_{w_i^{t-1}}(x)   (the last two are constants)
+               K steps  w <- w - eta_l grad l(w; batch), starting from w = w^t
+               Delta_i = w - w^t;  the client keeps w_i^{t-1} <- w (its final local model)
+    server:    w^{t+1} = w^t + sum_i p_i Delta_i / sum_i p_i                  (FedAvg)
+
+Symbols:
+    w^t (``params``)     global model             mu (``mu``)       weight of the contrastive term
+    w_i^{t-1} (``prev``) client's last local model tau (``tau``)     temperature
+    R_w(x) = z           ``model.features(w, x)[0]``: the representation fed to the final Linear layer
+    sim                  cosine similarity        p_i               |D_i| (``weighting="data_size"``) or 1
+
+Both terms are masked means over the batch's real rows (padding rows contribute nothing), like ``model.loss``.
+
+Representation: the paper applies l_con to the output of a projection head (official code ``ModelFedCon``:
+base encoder -> Linear-ReLU-Linear projection -> final Linear); that projection output is exactly the input of
+the final Linear. We use the z the model exposes (the input of its final Linear); a projection head is part of
+the model if one is wanted. For ``logreg`` z is the raw input, so l_con is the constant log 2 and MOON = FedAvg.
+
+Previous model: ``init_client`` stores the initial global model w^0, so in round 1 z_prev = z_glob, l_con is the
+constant log 2 and carries no gradient. The official code (github.com/QinbinLi/MOON, ``main.py``) gets the same
+round 1 differently: its previous-model pool is still empty (``load_first_net`` builds the copy but never appends
+it), so its l_con has no negative and is 0. A client first sampled in a later round contrasts against w^0 here;
+the official code uses that client's own random initialisation (every party net is initialised separately).
+Other differences of the official code: SGD momentum 0.9 and weight decay 1e-5 (here: plain SGD, weight decay in
+the model loss, as FedAvg); global and previous nets run in eval mode (here: the module's current mode, which
+differs only for dropout, i.e. ``femnist_cnn``); a FIFO pool of ``model_buffer_size`` previous models, default 1
+(here: 1). Hyperparameters: tau = 0.5 (the paper's default); mu = 1 (code default; the paper tunes mu in
+{0.1, 1, 5, 10} and reports 5 for CIFAR-10, 1 for CIFAR-100 and Tiny-ImageNet).
+
+Reduces to FedAvg exactly when mu = 0 (the contrastive forwards are then skipped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hafedho.core import (
+    ClientData,
+    ClientInfo,
+    ClientResult,
+    FedAlgorithm,
+    Model,
+    Params,
+    RoundInfo,
+    hp,
+    local_train,
+    sgd,
+    tree,
+)
+
+
+class ServerState(NamedTuple):
+    params: Params  # w^t
+
+
+class Broadcast(NamedTuple):
+    params: Params  # w^t
+
+
+class ClientState(NamedTuple):
+    prev: Params  # w_i^{t-1}: the client's final local model of the last round it took part in (w^0 before)
+
+
+class Upload(NamedTuple):
+    delta: Params  # Delta_i = w_i - w^t
+
+
+def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, mask: Tensor, tau: float) -> Tensor:
+    """Masked mean over rows of l_con = -log softmax([sim(z, z_glob), sim(z, z_prev)] / tau)[0].
+
+    Written as softplus((sim_prev - sim_glob) / tau), the same value computed without overflow.
+    """
+    s_glob = F.cosine_similarity(z, z_glob, dim=-1)
+    s_prev = F.cosine_similarity(z, z_prev, dim=-1)
+    per_row = F.softplus((s_prev - s_glob) / tau)
+    return (per_row * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MOON(FedAlgorithm):
+    name = "moon"
+    mu: float = hp(1.0, "weight mu of the model-contrastive term (paper: 5 on CIFAR-10, 1 on CIFAR-100)", ge=0)
+    tau: float = hp(0.5, "temperature tau of the contrastive loss", gt=0)
+    weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
+
+    def init_server(self, params: Params) -> ServerState:
+        return ServerState(params)
+
+    def init_client(self, params: Params) -> ClientState:
+        return ClientState({k: v.detach().clone() for k, v in params.items()})
+
+    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
+        return Broadcast(server.params)
+
+    def client_update(
+        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult:
+        w_t, prev, mu, tau = msg.params, state.prev, self.mu, self.tau
+
+        def objective(w: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+            z, logits = model.features(w, x)
+            f = model.loss_from_logits(w, logits, y, m)
+            if mu == 0.0:  # a hyperparameter, not a tensor: FedAvg exactly, without the two extra forwards
+                return f, f
+            # w_t and prev are constants of this objective: grad (w.r.t. w only) never flows into them
+            z_glob, _ = model.features(w_t, x)
+            z_prev, _ = model.features(prev, x)
+            return f + mu * model_contrastive_loss(z, z_glob, z_prev, m, tau), f
+
+        res = local_train(objective, w_t, data, sgd(self.lr))
+        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
+        metrics = {"train/loss": res.loss, "train/objective": res.objective}
+        return ClientResult(Upload(tree.sub(res.params, w_t)), weight, ClientState(res.params), metrics)
+
+    def server_update(
+        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
+    ) -> tuple[ServerState, dict[str, float]]:
+        if agg is None:  # an empty round: nothing to apply
+            return server, {}
+        return ServerState(tree.add(server.params, agg.delta)), {}

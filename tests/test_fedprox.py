@@ -1,0 +1,134 @@
+"""FedProx against rounds computed by hand, and its reduction to FedAvg at mu = 0.
+
+Problem: f_i(w) = 1/2 ||w - a_i||^2 in R^2, a_1 = (1, 0), a_2 = (0, 2), a_3 = (-1, -1); n_i = (1, 1, 2);
+eta_l = 0.5, mu = 0.5, K = 2 local steps, w_0 = (0, 0). Cohorts: round 1 {1, 2}, round 2 {2, 3}.
+Local step: w <- w - 0.5 ((w - a_i) + 0.5 (w - x_t)).
+
+Round 1 (x_0 = (0, 0)):
+    client 1: step 1 grad (-1, 0) -> w = (0.5, 0); step 2 grad (-0.5, 0) + 0.5 (0.5, 0) = (-0.25, 0)
+              -> w = (0.625, 0); Delta_1 = (0.625, 0)
+    client 2: step 1 grad (0, -2) -> w = (0, 1); step 2 grad (0, -1) + 0.5 (0, 1) = (0, -0.5)
+              -> w = (0, 1.25); Delta_2 = (0, 1.25)
+    server (n = 1, 1): x_1 = (0.3125, 0.625)
+Round 2 (x_1 = (0.3125, 0.625)):
+    client 2: step 1 grad (0.3125, -1.375) -> w = (0.15625, 1.3125);
+              step 2 grad (0.15625, -0.6875) + 0.5 (-0.15625, 0.6875) = (0.078125, -0.34375)
+              -> w = (0.1171875, 1.484375); Delta_2 = (-0.1953125, 0.859375)
+    client 3: step 1 grad (1.3125, 1.625) -> w = (-0.34375, -0.1875);
+              step 2 grad (0.65625, 0.8125) + 0.5 (-0.65625, -0.8125) = (0.328125, 0.40625)
+              -> w = (-0.5078125, -0.390625); Delta_3 = (-0.8203125, -1.015625)
+    server, data_size (n = 1, 2): mean = ((-0.1953125 - 1.640625) / 3, (0.859375 - 2.03125) / 3)
+              = (-1.8359375 / 3, -0.390625);  x_2 = (0.3125 - 0.61197916.., 0.234375) = (-0.29947916.., 0.234375)
+    server, uniform: mean = (-0.5078125, -0.078125);  x_2 = (-0.1953125, 0.546875)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quadratic import QuadraticModel, client_data, info, rnd, w
+from torch.func import grad
+
+from hafedho.algorithms.fedavg import FedAvg
+from hafedho.algorithms.fedprox import FedProx
+from hafedho.core import ConfigError, WeightedMean
+
+A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
+P = {1: 0.25, 2: 0.25, 3: 0.5}
+MODEL = QuadraticModel()
+
+
+def run_round(alg, server, states, cohort, t, steps=2):
+    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
+    r = rnd(t, len(cohort))
+    msg = alg.broadcast(server, r)
+    agg, results = WeightedMean(), {}
+    for i in cohort:
+        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(P[i], 4 * P[i]), r, MODEL)
+        agg.add(res.upload, res.weight)
+        states[i] = res.state
+        results[i] = res
+    server, _ = alg.server_update(server, agg.result(res.upload), r)
+    return server, results
+
+
+def two_rounds(**kw):
+    alg = FedProx(lr=0.5, mu=0.5, **kw)
+    server = alg.init_server(w(0.0, 0.0))
+    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
+    s1, r1 = run_round(alg, server, states, [1, 2], 1)
+    s2, r2 = run_round(alg, s1, states, [2, 3], 2)
+    return s1, s2, r1, r2
+
+
+def close(a, b):
+    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
+
+
+def test_two_rounds_by_hand() -> None:
+    s1, s2, r1, r2 = two_rounds()
+    assert close(r1[1].upload.delta, [0.625, 0.0]) and close(r1[2].upload.delta, [0.0, 1.25])
+    assert close(s1.params, [0.3125, 0.625])
+    assert close(r2[2].upload.delta, [-0.1953125, 0.859375])
+    assert close(r2[3].upload.delta, [-0.8203125, -1.015625])
+    assert float(r2[3].weight) == 2.0  # data-size weight n_3
+    assert close(s2.params, [0.3125 - 1.8359375 / 3, 0.234375])
+
+
+def test_uniform_weighting() -> None:
+    _, s2, _, r2 = two_rounds(weighting="uniform")
+    assert float(r2[3].weight) == 1.0
+    assert close(s2.params, [-0.1953125, 0.546875])
+
+
+def test_objective_gradient_has_the_proximal_term() -> None:
+    """At w = (1, 1), x_t = (0.5, 0), a = (0, 2): grad = (w - a) + mu (w - x_t) = (1, -1) + 0.5 (0.5, 1) = (1.25, -0.5);
+    the objective value is 1/2 ||(1, -1)||^2 + 0.25 ||(0.5, 1)||^2 = 1 + 0.3125."""
+    phi = FedProx(mu=0.5).objective(MODEL, w(0.5, 0.0))
+    d = client_data(A[2], 1)
+    g = grad(lambda p: phi(p, d.x[0], d.y[0], d.mask[0])[0])(w(1.0, 1.0))
+    assert close(g, [1.25, -0.5])
+    assert float(phi(w(1.0, 1.0), d.x[0], d.y[0], d.mask[0])[0]) == pytest.approx(1.3125)
+
+
+@pytest.mark.parametrize("weighting", ["data_size", "uniform"])
+def test_mu_zero_is_fedavg_exactly(weighting: str) -> None:
+    p, f = FedProx(lr=0.5, mu=0.0, weighting=weighting), FedAvg(lr=0.5, weighting=weighting)
+    ps, fs = p.init_server(w(0.0, 0.0)), f.init_server(w(0.0, 0.0))
+    pst = {i: p.init_client(w(0.0, 0.0)) for i in A}
+    fst = {i: f.init_client(w(0.0, 0.0)) for i in A}
+    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
+        ps, pr = run_round(p, ps, pst, cohort, t, steps=3)
+        fs, fr = run_round(f, fs, fst, cohort, t, steps=3)
+        assert torch.equal(ps.params["w"], fs.params["w"])
+        for i in cohort:
+            assert torch.equal(pr[i].upload.delta["w"], fr[i].upload.delta["w"])
+
+
+def test_padded_steps_are_no_ops() -> None:
+    alg = FedProx(lr=0.5, mu=0.5)
+    msg = alg.broadcast(alg.init_server(w(0.0, 0.0)), rnd(1, 1))
+    a = alg.client_update(msg, (), client_data(A[1], 2), info(0.25, 1), rnd(1, 1), MODEL)
+    b = alg.client_update(msg, (), client_data(A[1], 5, real_steps=2), info(0.25, 1), rnd(1, 1), MODEL)
+    assert torch.equal(a.upload.delta["w"], b.upload.delta["w"])
+
+
+def test_empty_round_keeps_server_state() -> None:
+    alg = FedProx()
+    s = alg.init_server(w(1.0, 2.0))
+    assert alg.server_update(s, None, rnd(1, 0))[0] is s
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"mu": -0.1}, "algorithm.mu=-0.1: must be >= 0"),
+        ({"weighting": "size"}, "algorithm.weighting='size': choose one of 'data_size', 'uniform'"),
+        ({"lr": 0}, "algorithm.lr=0.0: must be > 0"),
+        ({"server_lr": 1.0}, "algorithm.server_lr: unknown setting for fedprox; valid: lr, mu, weighting"),
+    ],
+)
+def test_bad_hyperparameters(settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        FedProx.from_config(settings)
+    assert str(err.value) == message

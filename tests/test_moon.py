@@ -1,0 +1,218 @@
+"""MOON against a contrastive loss and a local step computed by hand, and its reduction to FedAvg.
+
+Hand-checkable model ``DiagToy``: parameters w in R^2, representation z = x * w (row-wise), logits = z, and a
+plain loss f = 0 (so a local step moves w by the contrastive gradient alone). Temperature tau = 0.5.
+With s = sim(z, z_glob), s' = sim(z, z_prev): l_con = -log(e^{s/tau} / (e^{s/tau} + e^{s'/tau})) = softplus(a),
+a = (s' - s)/tau, and dl/ds = -sigma(a)/tau, dl/ds' = sigma(a)/tau. For cosine similarity,
+d sim(z, u)/dz = u / (|z||u|) - (z.u) z / (|z|^3 |u|).
+
+Case A (w = (1, 0), w_glob = (1, 1), w_prev = (0, 1), row x = (1, 1)):
+    z = (1, 0), z_glob = (1, 1), z_prev = (0, 1); s = 1/sqrt2 = 0.7071068, s' = 0
+    a = -sqrt2 = -1.4142136, l = log(1 + e^a) = 0.2176217, sigma(a) = 0.1955703
+    ds/dz = (1,1)/sqrt2 - (1/sqrt2)(1,0) = (0, 0.7071068), ds'/dz = (0, 1), dz/dw = diag(x) = I
+    grad_w l = sigma(a)/tau * ((0,1) - (0,0.7071068)) = 0.3911406 * (0, 0.2928932) = (0, 0.1145624)
+Case B (same w's, row x = (2, 1)):
+    z = (2, 0), z_glob = (2, 1), z_prev = (0, 1); s = 2/sqrt5 = 0.8944272, s' = 0
+    a = -1.7888544, l = 0.1545662, sigma(a) = 0.1432132
+    ds/dz = (2,1)/(2 sqrt5) - 4 (2,0)/(8 sqrt5) = (0, 0.2236068), ds'/dz = (0,1)/2 - 0 = (0, 0.5)
+    dz/dw = diag(2, 1): grad_w l = 0.2864265 * (0, 0.5 - 0.2236068) = (0, 0.0791663)
+    batch {A, B}: l = (0.2176217 + 0.1545662)/2 = 0.1860940, grad = (0, 0.0968644)
+Case C, one local step from the global model (w = w_glob = (1, 1), w_prev = (0, 1), x = (1, 1), eta_l = mu = 1):
+    z = z_glob = (1, 1): s = 1 and ds/dz = 0 (cosine is maximal there); s' = 1/sqrt2
+    a = (0.7071068 - 1)/0.5 = -0.5857864, l = 0.4425476, sigma(a) = 0.3576022
+    ds'/dz = (0,1)/sqrt2 - (1,1)/(2 sqrt2) = (-0.3535534, 0.3535534)
+    grad_w l = 0.7152044 * (-0.3535534, 0.3535534) = (-0.2528630, 0.2528630)
+    w_1 = (1, 1) - grad = (1.2528630, 0.7471370) = the new previous model; Delta = (0.2528630, -0.2528630)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from quadratic import info, rnd
+from torch.func import grad
+
+from hafedho.algorithms.fedavg import FedAvg
+from hafedho.algorithms.moon import MOON, ClientState, model_contrastive_loss
+from hafedho.core import ClientData, ConfigError, FunctionalModel, WeightedMean, tree
+from hafedho.models import MLP
+
+TAU = 0.5
+
+
+class DiagToy:
+    """z = x * w, logits = z, f = 0 (or the masked cross-entropy if ``zero_loss=False``)."""
+
+    def __init__(self, zero_loss: bool = True) -> None:
+        self.zero_loss = zero_loss
+
+    def features(self, params, x):
+        z = x * params["w"]
+        return z, z
+
+    def loss_from_logits(self, params, logits, y, mask):
+        if self.zero_loss:
+            return (logits * 0.0).sum()
+        return (F.cross_entropy(logits, y, reduction="none") * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def loss(self, params, x, y, mask):
+        return self.loss_from_logits(params, self.features(params, x)[1], y, mask)
+
+
+def w2(a: float, b: float) -> dict:
+    return {"w": torch.tensor([a, b])}
+
+
+def con(w, rows, mask):
+    """l_con of DiagToy at w against w_glob = (1, 1), w_prev = (0, 1) on ``rows``."""
+    x = torch.tensor(rows)
+    z_glob, z_prev = x * torch.tensor([1.0, 1.0]), x * torch.tensor([0.0, 1.0])
+    return model_contrastive_loss(x * w["w"], z_glob, z_prev, torch.tensor(mask), TAU)
+
+
+def test_contrastive_loss_value_and_gradient_by_hand() -> None:
+    at = w2(1.0, 0.0)
+    assert float(con(at, [[1.0, 1.0]], [1.0])) == pytest.approx(0.2176217, abs=1e-6)
+    assert torch.allclose(grad(con)(at, [[1.0, 1.0]], [1.0])["w"], torch.tensor([0.0, 0.1145624]), atol=1e-6)
+    assert float(con(at, [[2.0, 1.0]], [1.0])) == pytest.approx(0.1545662, abs=1e-6)
+    assert torch.allclose(grad(con)(at, [[2.0, 1.0]], [1.0])["w"], torch.tensor([0.0, 0.0791663]), atol=1e-6)
+    both = [[1.0, 1.0], [2.0, 1.0]]
+    assert float(con(at, both, [1.0, 1.0])) == pytest.approx(0.1860940, abs=1e-6)
+    assert torch.allclose(grad(con)(at, both, [1.0, 1.0])["w"], torch.tensor([0.0, 0.0968644]), atol=1e-6)
+
+
+def test_padding_rows_contribute_nothing() -> None:
+    at = w2(1.0, 0.0)
+    padded = [[1.0, 1.0], [2.0, 1.0], [-7.0, 3.0]]
+    assert float(con(at, padded, [1.0, 0.0, 0.0])) == pytest.approx(0.2176217, abs=1e-6)
+    assert torch.allclose(grad(con)(at, padded, [1.0, 0.0, 0.0])["w"], torch.tensor([0.0, 0.1145624]), atol=1e-6)
+    assert float(con(at, padded, [0.0, 0.0, 0.0])) == 0.0  # an all-padding batch
+
+
+def toy_data(steps: int = 1, real_steps: int | None = None) -> ClientData:
+    """``steps`` batches of two rows: a real row (1, 1) and a padding row (5, -3) that must be ignored."""
+    x = torch.tensor([[1.0, 1.0], [5.0, -3.0]]).expand(steps, 2, 2).clone()
+    mask = torch.tensor([1.0, 0.0]).expand(steps, 2).clone()
+    if real_steps is not None:
+        mask[real_steps:] = 0.0
+    return ClientData(x, torch.zeros(steps, 2, dtype=torch.long), mask)
+
+
+def test_one_local_step_by_hand_updates_the_previous_model() -> None:
+    alg = MOON(lr=1.0, mu=1.0, tau=TAU)
+    msg = alg.broadcast(alg.init_server(w2(1.0, 1.0)), rnd(2, 1))
+    state = ClientState(w2(0.0, 1.0))
+    # a second, all-padding step is a no-op
+    res = alg.client_update(msg, state, toy_data(2, real_steps=1), info(0.5, 3.0), rnd(2, 1), DiagToy())
+    assert torch.allclose(res.upload.delta["w"], torch.tensor([0.2528630, -0.2528630]), atol=1e-6)
+    assert torch.allclose(res.state.prev["w"], torch.tensor([1.2528630, 0.7471370]), atol=1e-6)
+    assert float(res.weight) == 3.0  # data size
+    assert float(res.metrics["train/objective"]) == pytest.approx(0.4425476, abs=1e-6)
+    assert float(res.metrics["train/loss"]) == 0.0
+    assert torch.equal(state.prev["w"], torch.tensor([0.0, 1.0])), "client_update must not write into its state"
+    uniform = MOON(lr=1.0, weighting="uniform").client_update(
+        msg, state, toy_data(), info(0.5, 3.0), rnd(2, 1), DiagToy()
+    )
+    assert float(uniform.weight) == 1.0
+
+
+def test_previous_equal_to_global_carries_no_gradient() -> None:
+    """Round 1: prev = w^0 = global, so s' = s, l_con = log 2 and its gradient is 0: the step is plain CE."""
+    toy = DiagToy(zero_loss=False)
+    alg = MOON(lr=1.0, mu=1.0)
+    msg = alg.broadcast(alg.init_server(w2(1.0, 1.0)), rnd(1, 1))
+    res = alg.client_update(msg, alg.init_client(w2(1.0, 1.0)), toy_data(), info(0.5), rnd(1, 1), toy)
+    ref = FedAvg(lr=1.0).client_update(msg, (), toy_data(), info(0.5), rnd(1, 1), toy)
+    assert torch.allclose(res.upload.delta["w"], ref.upload.delta["w"], atol=1e-7)
+    assert float(res.metrics["train/objective"]) == pytest.approx(float(res.metrics["train/loss"]) + 0.6931472)
+
+
+# --- rounds on a real network (an MLP through FunctionalModel) -------------------------------------------------
+
+with torch.random.fork_rng():  # seeded, without touching the global RNG other tests may rely on
+    torch.manual_seed(0)
+    NET = FunctionalModel(MLP((4,), 3, hidden=(5,)))
+    MASK = torch.tensor([1.0, 1.0, 1.0, 0.0]).expand(3, 4)  # the last row of every batch is padding
+    DATA = {i: ClientData(torch.randn(3, 4, 4) + i, torch.randint(0, 3, (3, 4)), MASK) for i in range(3)}
+W0 = NET.params()
+SIZES = {0: 2.0, 1: 3.0, 2: 5.0}
+
+
+def run_round(alg, server, states, cohort, t):
+    """A hand-written runtime: broadcast, client updates streamed into the aggregator, server update."""
+    r = rnd(t, len(cohort))
+    msg = alg.broadcast(server, r)
+    agg, results = WeightedMean(), {}
+    for i in cohort:
+        res = alg.client_update(msg, states[i], DATA[i], info(SIZES[i] / 10, SIZES[i]), r, NET)
+        agg.add(tree.detach(res.upload), res.weight)
+        states[i] = res.state
+        results[i] = res
+    server, _ = alg.server_update(server, agg.result(res.upload), r)
+    return server, results, msg
+
+
+COHORTS = [[0, 1], [1, 2], [0, 2]]
+
+
+def test_mu_zero_is_fedavg_exactly() -> None:
+    m, f = MOON(lr=0.1, mu=0.0), FedAvg(lr=0.1)
+    ms, fs = m.init_server(W0), f.init_server(W0)
+    mst = {i: m.init_client(W0) for i in SIZES}
+    fst = {i: f.init_client(W0) for i in SIZES}
+    for t, cohort in enumerate(COHORTS, start=1):
+        ms, _, _ = run_round(m, ms, mst, cohort, t)
+        fs, _, _ = run_round(f, fs, fst, cohort, t)
+        assert all(torch.equal(ms.params[k], fs.params[k]) for k in W0)
+
+
+def test_previous_model_is_kept_while_skipping_and_replaced_after_training() -> None:
+    alg, fed = MOON(lr=0.1, mu=1.0), FedAvg(lr=0.1)
+    server = alg.init_server(W0)
+    states = {i: alg.init_client(W0) for i in SIZES}
+    server, r1, msg1 = run_round(alg, server, states, COHORTS[0], 1)
+    # round 1: prev = w^0 = global, the contrastive term has no gradient: the round is FedAvg's (up to rounding)
+    fs, _, _ = run_round(fed, fed.init_server(W0), {i: () for i in SIZES}, COHORTS[0], 1)
+    assert all(torch.allclose(server.params[k], fs.params[k], atol=1e-6) for k in W0)
+    for i in COHORTS[0]:  # the previous model is now the client's final local model w^t + Delta_i
+        assert all(torch.equal(tree.sub(states[i].prev, msg1.params)[k], r1[i].upload.delta[k]) for k in W0)
+    assert all(torch.equal(states[2].prev[k], W0[k]) for k in W0)  # never sampled: still w^0
+    after_r1 = {k: v.clone() for k, v in states[0].prev.items()}
+    server, r2, msg2 = run_round(alg, server, states, COHORTS[1], 2)
+    assert all(torch.equal(states[0].prev[k], after_r1[k]) for k in W0)  # client 0 skipped round 2: unchanged
+    for i in COHORTS[1]:
+        assert all(torch.equal(tree.sub(states[i].prev, msg2.params)[k], r2[i].upload.delta[k]) for k in W0)
+    # client 1 now contrasts against its round-1 model: its update differs from FedAvg's
+    plain = fed.client_update(msg2, (), DATA[1], info(0.3, 3.0), rnd(2, 2), NET)
+    assert not torch.allclose(r2[1].upload.delta["head.weight"], plain.upload.delta["head.weight"], atol=1e-6)
+
+
+def test_client_update_is_vmap_safe() -> None:
+    alg = MOON(lr=0.1, mu=1.0)
+    msg = alg.broadcast(alg.init_server(W0), rnd(2, 2))
+    states = [ClientState({k: v + 0.1 * (i + 1) for k, v in W0.items()}) for i in range(2)]
+    infos = [info(0.2, 2.0), info(0.3, 3.0)]
+    loop = [alg.client_update(msg, states[i], DATA[i], infos[i], rnd(2, 2), NET) for i in range(2)]
+
+    def stack(*trees):
+        return torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
+
+    batched = torch.func.vmap(lambda s, d, n: alg.client_update(msg, s, d, n, rnd(2, 2), NET))(
+        stack(*states), stack(DATA[0], DATA[1]), stack(*infos)
+    )
+    for i in range(2):
+        for k in W0:
+            assert torch.allclose(batched.upload.delta[k][i], loop[i].upload.delta[k], atol=1e-6)
+
+
+def test_empty_round_and_bad_hyperparameters() -> None:
+    alg = MOON()
+    s = alg.init_server(W0)
+    assert alg.server_update(s, None, rnd(1, 0))[0] is s
+    with pytest.raises(ConfigError, match=r"^algorithm\.tau=0\.0: must be > 0$"):
+        MOON(tau=0.0)
+    with pytest.raises(ConfigError, match=r"^algorithm\.mu=-1\.0: must be >= 0$"):
+        MOON(mu=-1.0)
+    with pytest.raises(ConfigError, match=r"^algorithm\.weighting='size': choose one of 'data_size', 'uniform'$"):
+        MOON(weighting="size")
