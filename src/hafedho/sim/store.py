@@ -41,7 +41,8 @@ class ClientStore:
                 mm = np.lib.format.open_memmap(
                     self.path / f"leaf{i}.npy", mode="w+", dtype=leaf.numpy().dtype, shape=shape
                 )
-                mm[:] = leaf.numpy()
+                if bool(leaf.any()):  # a new .npy is zero-filled (sparse): write only non-zero templates
+                    mm[:] = leaf.numpy()
                 stacked = torch.from_numpy(mm)
             self.leaves.append(stacked)
 
