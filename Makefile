@@ -1,7 +1,6 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-all lint bench clean
 
@@ -9,14 +8,19 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
-	touch $(STAMP)
+# `make demo` needs only the package; tests also need the dev tools and Flower.
+$(VENV)/.base: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.dev: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev,flower]'
+	touch $@ $(VENV)/.base
+
+demo: $(VENV)/.base
 	$(BIN)/hafedho demo --out runs/demo
 
-lint: $(STAMP)
+lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
@@ -26,7 +30,7 @@ test: lint
 test-all: lint
 	$(BIN)/python -m pytest -q -m ''
 
-bench: $(STAMP)
+bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/bench_engines.py
 
 clean:
