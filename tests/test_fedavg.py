@@ -10,22 +10,14 @@ f_i(w) = 1/2 ||w - a_i||^2, a_1 = (1, 0), a_3 = (-1, -1), n = (1, 2), lr 0.5, 2 
 from __future__ import annotations
 
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import run_round, w
 
 from hafedho.algorithms.fedavg import FedAvg
-from hafedho.core import WeightedMean
-
-A = {1: (1.0, 0.0), 3: (-1.0, -1.0)}
-N = {1: 1.0, 3: 2.0}
 
 
 def one_round(alg: FedAvg) -> torch.Tensor:
-    server = alg.init_server(w(0.0, 0.0))
-    msg, agg = alg.broadcast(server, rnd(1, 2)), WeightedMean()
-    for i in (1, 3):
-        res = alg.client_update(msg, (), client_data(A[i], 2), info(N[i] / 3, N[i]), rnd(1, 2), QuadraticModel())
-        agg.add(res.upload, res.weight)
-    return alg.server_update(server, agg.result(res.upload), rnd(1, 2))[0].params["w"]
+    server, _ = run_round(alg, alg.init_server(w(0.0, 0.0)), {1: (), 3: ()}, [1, 3], 1)
+    return server.params["w"]
 
 
 def test_fedavg_round_by_hand() -> None:

@@ -17,33 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import COHORTS, A, close, rnd, rounds, run_round, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.fedavgm import FedAvgM, ServerState
-from hafedho.core import ConfigError, WeightedMean
-
-A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
-N = {1: 1.0, 2: 1.0, 3: 2.0}
-MODEL = QuadraticModel()
-
-
-def run_round(alg, server, states, cohort, t, steps=2):
-    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(N[i] / 4, N[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(), r)  # None when nobody reported
-    return server, results
-
-
-def close(a, b):
-    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
+from hafedho.core import ConfigError
 
 
 def test_two_rounds_by_hand() -> None:
@@ -68,12 +46,9 @@ def test_broadcast_is_the_model_only() -> None:
 
 @pytest.mark.parametrize(("weighting", "server_lr"), [("data_size", 1.0), ("uniform", 0.7)])
 def test_beta_zero_is_fedavg_exactly(weighting: str, server_lr: float) -> None:
-    m = FedAvgM(lr=0.5, beta=0.0, server_lr=server_lr, weighting=weighting)
-    f = FedAvg(lr=0.5, server_lr=server_lr, weighting=weighting)
-    ms, fs = m.init_server(w(0.3, -0.2)), f.init_server(w(0.3, -0.2))
-    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
-        ms, _ = run_round(m, ms, {i: () for i in A}, cohort, t, steps=3)
-        fs, _ = run_round(f, fs, {i: () for i in A}, cohort, t, steps=3)
+    avgm = rounds(FedAvgM(lr=0.5, beta=0.0, server_lr=server_lr, weighting=weighting), COHORTS, w(0.3, -0.2), steps=3)
+    avg = rounds(FedAvg(lr=0.5, server_lr=server_lr, weighting=weighting), COHORTS, w(0.3, -0.2), steps=3)
+    for (ms, _, _), (fs, _, _) in zip(avgm, avg, strict=True):
         if server_lr == 1.0:
             assert torch.equal(ms.params["w"], fs.params["w"])
         else:

@@ -34,45 +34,23 @@ from __future__ import annotations
 import math
 
 import pytest
+import quadratic
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import MODEL, SIZES, client_data, close, info, rnd, rounds, w
 from torch.func import grad
 
 from hafedho.algorithms.feddyn import FedDyn, ServerState, Upload, clip_by_global_norm
-from hafedho.core import ConfigError, WeightedMean
+from hafedho.core import ConfigError
 
-A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0), 4: (2.0, 2.0)}
-P = {1: 0.2, 2: 0.2, 3: 0.4, 4: 0.2}
+A = {**quadratic.A, 4: (2.0, 2.0)}
 N = 4
-MODEL = QuadraticModel()
-
-
-def run_round(alg, server, states, cohort, t, steps=2):
-    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
-    r = rnd(t, len(cohort), n=N)
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(P[i], 5 * P[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(res.upload), r)
-    return server, results
 
 
 def two_rounds(**kw):
     alg = FedDyn(lr=0.5, alpha=0.5, **kw)
-    server = alg.init_server(w(0.0, 0.0))
-    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
-    s1, r1 = run_round(alg, server, states, [1, 2], 1)
-    st1 = dict(states)
-    s2, r2 = run_round(alg, s1, states, [2, 3], 2)
+    sizes = {**SIZES, 4: 1.0}  # p = (0.2, 0.2, 0.4, 0.2)
+    (s1, r1, st1), (s2, r2, states) = rounds(alg, [[1, 2], [2, 3]], w(0.0, 0.0), sizes=sizes, num_clients=N)
     return s1, s2, r1, r2, st1, states
-
-
-def close(a, b, atol=1e-6):
-    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=atol)
 
 
 def test_two_rounds_by_hand() -> None:

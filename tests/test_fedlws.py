@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import info, rnd
+from quadratic import client_updates, mean_upload, rnd, rounds, run_round
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.fedlws import FedLWS, layer_groups
-from hafedho.core import ClientData, ConfigError, FunctionalModel, WeightedMean, tree
+from hafedho.core import ClientData, ConfigError, FunctionalModel
 from hafedho.models import MLP
 
 NAMES = ("l1.weight", "l1.bias", "l2.weight")
@@ -56,15 +56,15 @@ TARGETS = {"A": (7.0, 3.0, 4.0, 3.0, 10.0), "B": (-1.0, 3.0, 4.0, 3.0, -10.0)}  
 
 
 def one_round(alg, w_t=W_T, targets=TARGETS, sizes=None):
+    """One round from w_t, each client's data its target; returns the server's (new state, metrics)."""
     server = alg.init_server(params(*w_t))
     r = rnd(1, len(targets))
-    msg = alg.broadcast(server, r)
-    agg = WeightedMean()
-    for name, point in targets.items():
-        n = 2.0 if sizes is None else sizes[name]
-        res = alg.client_update(msg, (), target_data(point), info(0.5, n), r, StackedQuadratic())
-        agg.add(tree.detach(res.upload), res.weight)
-    return alg.server_update(server, agg.result(res.upload), r)
+    data = {name: target_data(point) for name, point in targets.items()}
+    sizes = dict.fromkeys(targets, 2.0) if sizes is None else sizes
+    results = client_updates(
+        alg, alg.broadcast(server, r), dict.fromkeys(targets, ()), list(targets), r, data, sizes, StackedQuadratic()
+    )
+    return alg.server_update(server, mean_upload(results), r)
 
 
 def flat(p) -> torch.Tensor:
@@ -144,22 +144,13 @@ SIZES = {0: 2.0, 1: 3.0, 2: 5.0}
 COHORTS = [[0, 1], [1, 2], [0, 2]]
 
 
-def run_round(alg, server, cohort, t):
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg = WeightedMean()
-    for i in cohort:
-        res = alg.client_update(msg, (), DATA[i], info(SIZES[i] / 10, SIZES[i]), r, NET)
-        agg.add(tree.detach(res.upload), res.weight)
-    return alg.server_update(server, agg.result(res.upload), r)[0], agg.result(res.upload)
+ON_NET = {"data": DATA, "sizes": SIZES, "model": NET}  # run_round's clients for these rounds
 
 
 def test_no_shrinking_is_fedavg_exactly() -> None:
-    lws, avg = FedLWS(lr=0.1, beta=0.0, tau_min=0.0, server_lr=0.7), FedAvg(lr=0.1, server_lr=0.7)
-    ls, fs = lws.init_server(W0), avg.init_server(W0)
-    for t, cohort in enumerate(COHORTS, start=1):
-        ls, _ = run_round(lws, ls, cohort, t)
-        fs, _ = run_round(avg, fs, cohort, t)
+    lws = rounds(FedLWS(lr=0.1, beta=0.0, tau_min=0.0, server_lr=0.7), COHORTS, W0, **ON_NET)
+    avg = rounds(FedAvg(lr=0.1, server_lr=0.7), COHORTS, W0, **ON_NET)
+    for (ls, _, _), (fs, _, _) in zip(lws, avg, strict=True):
         assert all(torch.equal(ls.params[k], fs.params[k]) for k in W0)
 
 
@@ -170,7 +161,8 @@ def test_clip_bounds_hold(beta: float) -> None:
     alg = FedLWS(lr=0.5, beta=beta, tau_min=0.01, tau_max=0.2)
     server = alg.init_server(W0)
     for t, cohort in enumerate(COHORTS, start=1):
-        new, agg = run_round(alg, server, cohort, t)
+        new, results = run_round(alg, server, dict.fromkeys(SIZES, ()), cohort, t, **ON_NET)
+        agg = mean_upload(results)
         for names in layer_groups(list(W0), "module").values():
             w_norm = torch.cat([server.params[k].flatten() for k in names]).double().norm()
             avg = torch.cat([(server.params[k] + agg.delta[k]).flatten() for k in names]).double()

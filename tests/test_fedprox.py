@@ -26,43 +26,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, w
 from torch.func import grad
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.fedprox import FedProx
-from hafedho.core import ConfigError, WeightedMean
-
-A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
-P = {1: 0.25, 2: 0.25, 3: 0.5}
-MODEL = QuadraticModel()
-
-
-def run_round(alg, server, states, cohort, t, steps=2):
-    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(P[i], 4 * P[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(res.upload), r)
-    return server, results
+from hafedho.core import ConfigError
 
 
 def two_rounds(**kw):
-    alg = FedProx(lr=0.5, mu=0.5, **kw)
-    server = alg.init_server(w(0.0, 0.0))
-    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
-    s1, r1 = run_round(alg, server, states, [1, 2], 1)
-    s2, r2 = run_round(alg, s1, states, [2, 3], 2)
+    (s1, r1, _), (s2, r2, _) = rounds(FedProx(lr=0.5, mu=0.5, **kw), COHORTS[:2], w(0.0, 0.0))
     return s1, s2, r1, r2
-
-
-def close(a, b):
-    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
 
 
 def test_two_rounds_by_hand() -> None:
@@ -93,15 +67,11 @@ def test_objective_gradient_has_the_proximal_term() -> None:
 
 @pytest.mark.parametrize("weighting", ["data_size", "uniform"])
 def test_mu_zero_is_fedavg_exactly(weighting: str) -> None:
-    p, f = FedProx(lr=0.5, mu=0.0, weighting=weighting), FedAvg(lr=0.5, weighting=weighting)
-    ps, fs = p.init_server(w(0.0, 0.0)), f.init_server(w(0.0, 0.0))
-    pst = {i: p.init_client(w(0.0, 0.0)) for i in A}
-    fst = {i: f.init_client(w(0.0, 0.0)) for i in A}
-    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
-        ps, pr = run_round(p, ps, pst, cohort, t, steps=3)
-        fs, fr = run_round(f, fs, fst, cohort, t, steps=3)
+    prox = rounds(FedProx(lr=0.5, mu=0.0, weighting=weighting), COHORTS, w(0.0, 0.0), steps=3)
+    avg = rounds(FedAvg(lr=0.5, weighting=weighting), COHORTS, w(0.0, 0.0), steps=3)
+    for (ps, pr, _), (fs, fr, _) in zip(prox, avg, strict=True):
         assert torch.equal(ps.params["w"], fs.params["w"])
-        for i in cohort:
+        for i in pr:
             assert torch.equal(pr[i].upload.delta["w"], fr[i].upload.delta["w"])
 
 

@@ -15,33 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, run_round, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.fedsgd import FedSGD
-from hafedho.core import ClientData, ConfigError, WeightedMean
-
-A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
-N = {1: 1.0, 2: 1.0, 3: 2.0}
-MODEL = QuadraticModel()
-
-
-def run_round(alg, server, states, cohort, t, data_fn=lambda i: client_data(A[i], 2)):
-    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], data_fn(i), info(N[i] / 4, N[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(), r)  # None when nobody reported
-    return server, results
-
-
-def close(a, b):
-    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
+from hafedho.core import ClientData, ConfigError
 
 
 def test_two_rounds_by_hand() -> None:
@@ -87,11 +65,9 @@ def test_equals_fedavg_with_one_full_batch_step(weighting: str) -> None:
         x = torch.stack([a, a + 1.0, a, a + 1.0, a, a + 1.0]).reshape(steps, batch, 2)
         return ClientData(x, torch.zeros(steps, batch, dtype=torch.long), torch.ones(steps, batch))
 
-    s, f = FedSGD(lr=0.3, weighting=weighting), FedAvg(lr=0.3, weighting=weighting)
-    ss, fs = s.init_server(w(0.2, -0.4)), f.init_server(w(0.2, -0.4))
-    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
-        ss, _ = run_round(s, ss, {i: () for i in A}, cohort, t, data_fn=lambda i: rows(i, 3, 2))
-        fs, _ = run_round(f, fs, {i: () for i in A}, cohort, t, data_fn=lambda i: rows(i, 1, 6))
+    sgd = rounds(FedSGD(lr=0.3, weighting=weighting), COHORTS, w(0.2, -0.4), data={i: rows(i, 3, 2) for i in A})
+    avg = rounds(FedAvg(lr=0.3, weighting=weighting), COHORTS, w(0.2, -0.4), data={i: rows(i, 1, 6) for i in A})
+    for (ss, _, _), (fs, _, _) in zip(sgd, avg, strict=True):
         assert torch.allclose(ss.params["w"], fs.params["w"], atol=1e-6)
 
 

@@ -26,43 +26,15 @@ import warnings
 
 import pytest
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.hafedho import HaFedHo, ServerState
-from hafedho.core import WeightedMean
-
-A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
-P = {1: 0.25, 2: 0.25, 3: 0.5}
-MODEL = QuadraticModel()
-
-
-def run_round(alg, server, states, cohort, t, steps=2):
-    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(P[i], 4 * P[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(res.upload), r)
-    return server, results
 
 
 def two_rounds(**kw):
-    alg = HaFedHo(lr=0.5, mu=0.1, **kw)
-    server = alg.init_server(w(0.0, 0.0))
-    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
-    server, r1 = run_round(alg, server, states, [1, 2], 1)
-    s1 = server
-    server, r2 = run_round(alg, server, states, [2, 3], 2)
-    return s1, server, r1, r2, states
-
-
-def close(a, b):
-    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
+    (s1, r1, _), (s2, r2, states) = rounds(HaFedHo(lr=0.5, mu=0.1, **kw), COHORTS[:2], w(0.0, 0.0))
+    return s1, s2, r1, r2, states
 
 
 def test_two_rounds_by_hand() -> None:
@@ -112,14 +84,9 @@ def test_mu_f_hat_term_moves_no_parameter() -> None:
 
 
 def test_mu_zero_is_uniform_fedavg() -> None:
-    h = HaFedHo(lr=0.5, mu=0.0)
-    f = FedAvg(lr=0.5, weighting="uniform")
-    hs, fs = h.init_server(w(0.0, 0.0)), f.init_server(w(0.0, 0.0))
-    hst = {i: h.init_client(w(0.0, 0.0)) for i in A}
-    fst = {i: f.init_client(w(0.0, 0.0)) for i in A}
-    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
-        hs, _ = run_round(h, hs, hst, cohort, t)
-        fs, _ = run_round(f, fs, fst, cohort, t)
+    hfh = rounds(HaFedHo(lr=0.5, mu=0.0), COHORTS, w(0.0, 0.0))
+    avg = rounds(FedAvg(lr=0.5, weighting="uniform"), COHORTS, w(0.0, 0.0))
+    for (hs, _, _), (fs, _, _) in zip(hfh, avg, strict=True):
         assert torch.allclose(hs.params["w"], fs.params["w"], atol=1e-6)
 
 

@@ -31,43 +31,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.mimelite import MimeLite, ServerState
-from hafedho.core import ClientData, ConfigError, WeightedMean, full_gradient
-
-A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
-N = {1: 1.0, 2: 1.0, 3: 2.0}
-MODEL = QuadraticModel()
-
-
-def run_round(alg, server, states, cohort, t, steps=2):
-    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(N[i] / 4, N[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(res.upload), r)
-    return server, results
+from hafedho.core import ClientData, ConfigError, full_gradient
 
 
 def two_rounds(**kw):
-    alg = MimeLite(lr=0.5, beta=0.5, **kw)
-    server = alg.init_server(w(0.0, 0.0))
-    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
-    server, r1 = run_round(alg, server, states, [1, 2], 1)
-    s1 = server
-    server, r2 = run_round(alg, server, states, [2, 3], 2)
-    return s1, server, r1, r2, states
-
-
-def close(a, b):
-    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
+    (s1, r1, _), (s2, r2, states) = rounds(MimeLite(lr=0.5, beta=0.5, **kw), COHORTS[:2], w(0.0, 0.0))
+    return s1, s2, r1, r2, states
 
 
 def test_two_rounds_by_hand() -> None:
@@ -101,23 +74,18 @@ def test_heavy_ball_form_by_hand() -> None:
 
 def test_heavy_ball_with_scaled_lr_follows_ema() -> None:
     """heavy_ball with lr (1-beta) eta is ema with lr eta: same x every round, m_hb = m_ema / (1 - beta)."""
-    ema, hb = MimeLite(lr=0.5, beta=0.5), MimeLite(lr=0.25, beta=0.5, momentum_form="heavy_ball")
-    es, hs = ema.init_server(w(0.0, 0.0)), hb.init_server(w(0.0, 0.0))
-    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
-        es, _ = run_round(ema, es, {i: () for i in A}, cohort, t)
-        hs, _ = run_round(hb, hs, {i: () for i in A}, cohort, t)
+    ema = rounds(MimeLite(lr=0.5, beta=0.5), COHORTS, w(0.0, 0.0))
+    hb = rounds(MimeLite(lr=0.25, beta=0.5, momentum_form="heavy_ball"), COHORTS, w(0.0, 0.0))
+    for (es, _, _), (hs, _, _) in zip(ema, hb, strict=True):
         assert torch.allclose(es.params["w"], hs.params["w"], atol=1e-6)
         assert torch.allclose(es.m["w"] / 0.5, hs.m["w"], atol=1e-6)
 
 
 @pytest.mark.parametrize(("weighting", "server_lr"), [("data_size", 1.0), ("uniform", 0.7)])
 def test_beta_zero_is_fedavg_exactly(weighting: str, server_lr: float) -> None:
-    m = MimeLite(lr=0.5, beta=0.0, weighting=weighting, server_lr=server_lr)
-    f = FedAvg(lr=0.5, weighting=weighting, server_lr=server_lr)
-    ms, fs = m.init_server(w(0.3, -0.2)), f.init_server(w(0.3, -0.2))
-    for t, cohort in enumerate([[1, 2], [2, 3], [1, 3]], start=1):
-        ms, _ = run_round(m, ms, {i: () for i in A}, cohort, t, steps=3)
-        fs, _ = run_round(f, fs, {i: () for i in A}, cohort, t, steps=3)
+    mime = rounds(MimeLite(lr=0.5, beta=0.0, weighting=weighting, server_lr=server_lr), COHORTS, w(0.3, -0.2), steps=3)
+    avg = rounds(FedAvg(lr=0.5, weighting=weighting, server_lr=server_lr), COHORTS, w(0.3, -0.2), steps=3)
+    for (ms, _, _), (fs, _, _) in zip(mime, avg, strict=True):
         assert torch.equal(ms.params["w"], fs.params["w"])
 
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quadratic import info, rnd
+from quadratic import info, rnd, rounds, run_round
 from torch.func import grad
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.moon import MOON, ClientState, model_contrastive_loss
-from hafedho.core import ClientData, ConfigError, FunctionalModel, WeightedMean, tree
+from hafedho.core import ClientData, ConfigError, FunctionalModel, tree
 from hafedho.models import MLP
 
 TAU = 0.5
@@ -139,31 +139,14 @@ W0 = NET.params()
 SIZES = {0: 2.0, 1: 3.0, 2: 5.0}
 
 
-def run_round(alg, server, states, cohort, t):
-    """A hand-written runtime: broadcast, client updates streamed into the aggregator, server update."""
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], DATA[i], info(SIZES[i] / 10, SIZES[i]), r, NET)
-        agg.add(tree.detach(res.upload), res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(res.upload), r)
-    return server, results, msg
-
-
+ON_NET = {"data": DATA, "sizes": SIZES, "model": NET}  # run_round's clients for these rounds
 COHORTS = [[0, 1], [1, 2], [0, 2]]
 
 
 def test_mu_zero_is_fedavg_exactly() -> None:
-    m, f = MOON(lr=0.1, mu=0.0), FedAvg(lr=0.1)
-    ms, fs = m.init_server(W0), f.init_server(W0)
-    mst = {i: m.init_client(W0) for i in SIZES}
-    fst = {i: f.init_client(W0) for i in SIZES}
-    for t, cohort in enumerate(COHORTS, start=1):
-        ms, _, _ = run_round(m, ms, mst, cohort, t)
-        fs, _, _ = run_round(f, fs, fst, cohort, t)
+    moon = rounds(MOON(lr=0.1, mu=0.0), COHORTS, W0, **ON_NET)
+    avg = rounds(FedAvg(lr=0.1), COHORTS, W0, **ON_NET)
+    for (ms, _, _), (fs, _, _) in zip(moon, avg, strict=True):
         assert all(torch.equal(ms.params[k], fs.params[k]) for k in W0)
 
 
@@ -171,15 +154,17 @@ def test_previous_model_is_kept_while_skipping_and_replaced_after_training() -> 
     alg, fed = MOON(lr=0.1, mu=1.0), FedAvg(lr=0.1)
     server = alg.init_server(W0)
     states = {i: alg.init_client(W0) for i in SIZES}
-    server, r1, msg1 = run_round(alg, server, states, COHORTS[0], 1)
+    msg1 = alg.broadcast(server, rnd(1, 2))
+    server, r1 = run_round(alg, server, states, COHORTS[0], 1, **ON_NET)
     # round 1: prev = w^0 = global, the contrastive term has no gradient: the round is FedAvg's (up to rounding)
-    fs, _, _ = run_round(fed, fed.init_server(W0), {i: () for i in SIZES}, COHORTS[0], 1)
+    fs, _ = run_round(fed, fed.init_server(W0), {i: () for i in SIZES}, COHORTS[0], 1, **ON_NET)
     assert all(torch.allclose(server.params[k], fs.params[k], atol=1e-6) for k in W0)
     for i in COHORTS[0]:  # the previous model is now the client's final local model w^t + Delta_i
         assert all(torch.equal(tree.sub(states[i].prev, msg1.params)[k], r1[i].upload.delta[k]) for k in W0)
     assert all(torch.equal(states[2].prev[k], W0[k]) for k in W0)  # never sampled: still w^0
     after_r1 = {k: v.clone() for k, v in states[0].prev.items()}
-    server, r2, msg2 = run_round(alg, server, states, COHORTS[1], 2)
+    msg2 = alg.broadcast(server, rnd(2, 2))
+    server, r2 = run_round(alg, server, states, COHORTS[1], 2, **ON_NET)
     assert all(torch.equal(states[0].prev[k], after_r1[k]) for k in W0)  # client 0 skipped round 2: unchanged
     for i in COHORTS[1]:
         assert all(torch.equal(tree.sub(states[i].prev, msg2.params)[k], r2[i].upload.delta[k]) for k in W0)

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import info, rnd
+from quadratic import close, info, rnd, run_round
 from torch.func import vmap
 from torch.utils import _pytree as pytree
 
 from hafedho.algorithms.pfedafm import ClientState, PFedAFM, ServerState
-from hafedho.core import ClientData, ConfigError, WeightedMean
+from hafedho.core import ClientData, ConfigError
 from hafedho.core.model import FunctionalModel
 from hafedho.models.simple import MLP
 
@@ -75,25 +75,15 @@ def start(alg):
     return alg.init_server(params()), states
 
 
-def run_round(alg, server, states, cohort, t):
-    r = rnd(t, len(cohort))
-    msg, agg, results = alg.broadcast(server, r), WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], data(Y[i]), info(0.0, N[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i], results[i] = res.state, res
-    return alg.server_update(server, agg.result(res.upload), r)[0], results
-
-
-def close(a, b):
-    return torch.allclose(a, torch.as_tensor(b, dtype=a.dtype), atol=1e-6)
+def one_round(alg, server, states, cohort, t):
+    return run_round(alg, server, states, cohort, t, data={i: data(y) for i, y in Y.items()}, sizes=N, model=MODEL)
 
 
 def test_round_by_hand_with_a_skipping_client() -> None:
     alg = PFedAFM(lr=0.1, alpha_lr=0.2)
     server, states = start(alg)
     untouched = states[3]
-    server, res = run_round(alg, server, states, [1, 2], 1)
+    server, res = one_round(alg, server, states, [1, 2], 1)
     p1, p2 = states[1].personal, states[2].personal
     assert close(p1["head.weight"][0], [0.925, 0.7]) and close(p1["head.bias"], [-0.15])
     assert close(p1["s"], [-0.075, 0.85]) and close(states[1].alpha, [0.2, 0.5])
@@ -108,7 +98,7 @@ def test_round_by_hand_with_a_skipping_client() -> None:
     assert float(res[1].metrics["train/global_loss"]) == pytest.approx(0.5 * 1.175**2)
     assert states[3] is untouched  # not sampled: its state is not even rebuilt
     frozen1 = {k: v.clone() for k, v in states[1].personal.items()}, states[1].alpha.clone()
-    server, _ = run_round(alg, server, states, [2, 3], 2)
+    server, _ = one_round(alg, server, states, [2, 3], 2)
     assert all(torch.equal(states[1].personal[k], frozen1[0][k]) for k in frozen1[0])  # client 1 skipped round 2
     assert torch.equal(states[1].alpha, frozen1[1])
     assert not torch.equal(states[3].alpha, untouched.alpha)  # client 3 trained in round 2

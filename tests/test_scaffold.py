@@ -29,43 +29,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import QuadraticModel, client_data, info, rnd, w
+from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, run_round, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.scaffold import SCAFFOLD, ClientState, ServerState, Upload
-from hafedho.core import ConfigError, WeightedMean
-
-A = {1: (1.0, 0.0), 2: (0.0, 2.0), 3: (-1.0, -1.0)}
-P = {1: 0.25, 2: 0.25, 3: 0.5}
-MODEL = QuadraticModel()
-
-
-def run_round(alg, server, states, cohort, t, steps=2):
-    """A hand-written runtime: broadcast, client updates, aggregate, server update."""
-    r = rnd(t, len(cohort))
-    msg = alg.broadcast(server, r)
-    agg, results = WeightedMean(), {}
-    for i in cohort:
-        res = alg.client_update(msg, states[i], client_data(A[i], steps), info(P[i], 4 * P[i]), r, MODEL)
-        agg.add(res.upload, res.weight)
-        states[i] = res.state
-        results[i] = res
-    server, _ = alg.server_update(server, agg.result(res.upload), r)
-    return server, results
+from hafedho.core import ConfigError
 
 
 def two_rounds(**kw):
-    alg = SCAFFOLD(lr=0.5, **kw)
-    server = alg.init_server(w(0.0, 0.0))
-    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
-    s1, r1 = run_round(alg, server, states, [1, 2], 1)
-    s1_states = dict(states)
-    s2, r2 = run_round(alg, s1, states, [2, 3], 2)
+    (s1, r1, s1_states), (s2, r2, states) = rounds(SCAFFOLD(lr=0.5, **kw), COHORTS[:2], w(0.0, 0.0))
     return s1, s2, r1, r2, s1_states, states
-
-
-def close(a, b):
-    return torch.allclose(a if isinstance(a, torch.Tensor) else a["w"], torch.tensor(b), atol=1e-6)
 
 
 def test_two_rounds_by_hand() -> None:

@@ -13,15 +13,14 @@ Symbols:
     Delta_i (``delta``) local minus global   eta_g (``server_lr``) server learning rate (1.0 = plain averaging)
     p_i                weight: |D_i| (``weighting="data_size"``, the paper) or 1 (``"uniform"``)
 
-This is the reference every other algorithm reduces to.
+This is the reference every other algorithm reduces to. Algorithms that change only FedAvg's server (FedAvgM,
+FedLWS) subclass ``FedAvg`` and reuse its clients: ``broadcast`` (the model only) and ``client_update``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-
-import torch
 
 from hafedho.core import (
     ClientData,
@@ -31,6 +30,7 @@ from hafedho.core import (
     Model,
     Params,
     RoundInfo,
+    aggregation_weight,
     hp,
     local_train,
     plain_objective,
@@ -67,9 +67,8 @@ class FedAvg(FedAlgorithm):
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
         res = local_train(plain_objective(model), msg.params, data, sgd(self.lr))
-        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
         upload = Upload(tree.sub(res.params, msg.params))
-        return ClientResult(upload, weight, state, {"train/loss": res.loss})
+        return ClientResult(upload, aggregation_weight(info, self.weighting), state, {"train/loss": res.loss})
 
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo

@@ -29,24 +29,12 @@ An empty round changes nothing (v is not decayed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import torch
+from hafedho.algorithms.fedavg import Broadcast, FedAvg, Upload
+from hafedho.core import Params, RoundInfo, hp, tree
 
-from hafedho.core import (
-    ClientData,
-    ClientInfo,
-    ClientResult,
-    FedAlgorithm,
-    Model,
-    Params,
-    RoundInfo,
-    hp,
-    local_train,
-    plain_objective,
-    sgd,
-    tree,
-)
+__all__ = ["Broadcast", "FedAvgM", "ServerState", "Upload"]
 
 
 class ServerState(NamedTuple):
@@ -54,33 +42,19 @@ class ServerState(NamedTuple):
     v: Params  # server momentum buffer of pseudo-gradients
 
 
-class Broadcast(NamedTuple):
-    params: Params  # x_t (v stays on the server)
-
-
-class Upload(NamedTuple):
-    delta: Params  # Delta_i = y_i - x_t
+# Broadcast (x_t only; v stays on the server) and Upload (Delta_i = y_i - x_t) are FedAvg's.
 
 
 @dataclass(frozen=True, kw_only=True)
-class FedAvgM(FedAlgorithm):
+class FedAvgM(FedAvg):
+    """FedAvg's clients (``broadcast``, ``client_update``, ``weighting``); only the server update differs."""
+
     name = "fedavgm"
     beta: float = hp(0.9, "server momentum beta in v <- beta v + Delta_w (0 = FedAvg)", ge=0, lt=1)
     server_lr: float = hp(1.0, "server learning rate eta_g in x <- x - eta_g v (the paper: 1)", gt=0)
-    weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
 
     def init_server(self, params: Params) -> ServerState:
         return ServerState(params, tree.zeros_like(params))
-
-    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
-        return Broadcast(server.params)
-
-    def client_update(
-        self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
-    ) -> ClientResult:
-        res = local_train(plain_objective(model), msg.params, data, sgd(self.lr))
-        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
-        return ClientResult(Upload(tree.sub(res.params, msg.params)), weight, state, {"train/loss": res.loss})
 
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo

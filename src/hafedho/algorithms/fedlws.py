@@ -45,29 +45,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from hafedho.core import (
-    ClientData,
-    ClientInfo,
-    ClientResult,
-    ConfigError,
-    FedAlgorithm,
-    Model,
-    Params,
-    RoundInfo,
-    hp,
-    local_train,
-    plain_objective,
-    sgd,
-    tree,
-)
+from hafedho.algorithms.fedavg import Broadcast, FedAvg, ServerState
+from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, Model, Params, RoundInfo, hp, tree
 
+__all__ = ["Broadcast", "FedLWS", "ServerState", "Upload", "layer_groups"]
 
-class ServerState(NamedTuple):
-    params: Params  # w_t
-
-
-class Broadcast(NamedTuple):
-    params: Params  # w_t
+# ServerState (w_t) and Broadcast (w_t) are FedAvg's.
 
 
 class Upload(NamedTuple):
@@ -95,35 +78,28 @@ def layer_groups(names: list[str], rule: str) -> dict[str, list[str]]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FedLWS(FedAlgorithm):
+class FedLWS(FedAvg):
+    """FedAvg's clients, which also upload ||Delta_i^l||^2 per layer; the server shrinks the averaged model."""
+
     name = "fedlws"
     beta: float = hp(0.03, "coefficient beta of the ratio beta * tau_l", ge=0)
     tau_min: float = hp(0.01, "lower clip of beta * tau_l", ge=0)
     tau_max: float = hp(0.2, "upper clip of beta * tau_l", ge=0)
     layers: str = hp("module", "what a layer is", choices=("module", "tensor", "bias_delimited"))
-    server_lr: float = hp(1.0, "server learning rate eta_g applied to the averaged delta", gt=0)
-    weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tau_min > self.tau_max:
             raise ConfigError(f"algorithm.tau_min={self.tau_min!r}: must be <= algorithm.tau_max={self.tau_max!r}")
 
-    def init_server(self, params: Params) -> ServerState:
-        return ServerState(params)
-
-    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
-        return Broadcast(server.params)
-
     def client_update(
         self, msg: Broadcast, state: tuple, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
-        res = local_train(plain_objective(model), msg.params, data, sgd(self.lr))
-        delta = tree.sub(res.params, msg.params)
+        res = super().client_update(msg, state, data, info, rnd, model)  # FedAvg's local training and Delta_i
+        delta = res.upload.delta
         groups = layer_groups(list(delta), self.layers)
         sq = {key: sum((delta[k] ** 2).sum() for k in names) for key, names in groups.items()}
-        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
-        return ClientResult(Upload(delta, sq), weight, state, {"train/loss": res.loss})
+        return res._replace(upload=Upload(delta, sq))
 
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo

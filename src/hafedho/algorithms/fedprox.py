@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from hafedho.core import (
@@ -39,6 +38,7 @@ from hafedho.core import (
     Model,
     Params,
     RoundInfo,
+    aggregation_weight,
     hp,
     local_train,
     sgd,
@@ -84,7 +84,7 @@ class FedProx(FedAlgorithm):
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
         res = local_train(self.objective(model, msg.params), msg.params, data, sgd(self.lr))
-        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
+        weight = aggregation_weight(info, self.weighting)
         metrics = {"train/loss": res.loss, "train/objective": res.objective}
         return ClientResult(Upload(tree.sub(res.params, msg.params)), weight, state, metrics)
 

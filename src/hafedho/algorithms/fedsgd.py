@@ -27,8 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import torch
-
 from hafedho.core import (
     ClientData,
     ClientInfo,
@@ -37,6 +35,7 @@ from hafedho.core import (
     Model,
     Params,
     RoundInfo,
+    aggregation_weight,
     full_gradient,
     hp,
     tree,
@@ -71,7 +70,7 @@ class FedSGD(FedAlgorithm):
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
         g, f = full_gradient(model, msg.params, data)
-        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
+        weight = aggregation_weight(info, self.weighting)
         return ClientResult(Upload(g), weight, state, {"train/loss": f})
 
     def server_update(

@@ -56,6 +56,7 @@ from hafedho.core import (
     Model,
     Params,
     RoundInfo,
+    aggregation_weight,
     hp,
     local_train,
     sgd,
@@ -122,7 +123,7 @@ class HaFedHo(FedAlgorithm):
         res = local_train(phi, w_t, data, sgd(self.lr))
         # grad phi = grad f + mu h at every real step, so sum grad f = sum grad phi - K mu h exactly.
         g_i = res.grad_sum if self.accumulate == "phi" else tree.axpy(-mu * res.steps, h, res.grad_sum)
-        weight = torch.ones_like(info.num_examples) if self.aggregation == "uniform" else info.num_examples
+        weight = aggregation_weight(info, self.aggregation)
         new_state = ClientState(g_i, res.loss, torch.full_like(state.last_round, rnd.round))
         metrics = {"train/loss": res.loss, "train/objective": res.objective}
         return ClientResult(Upload(g_i, res.loss), weight, new_state, metrics)

@@ -39,8 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import torch
-
 from hafedho.core import (
     ClientData,
     ClientInfo,
@@ -49,6 +47,7 @@ from hafedho.core import (
     Model,
     Params,
     RoundInfo,
+    aggregation_weight,
     chain,
     full_gradient,
     hp,
@@ -101,7 +100,7 @@ class MimeLite(FedAlgorithm):
         step = chain(mix(msg.m, self.grad_coef, self.beta), sgd(self.lr))  # m frozen for all K steps
         res = local_train(plain_objective(model), msg.params, data, step)
         c_i, _ = full_gradient(model, msg.params, data)
-        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
+        weight = aggregation_weight(info, self.weighting)
         upload = Upload(tree.sub(res.params, msg.params), c_i)
         return ClientResult(upload, weight, state, {"train/loss": res.loss})
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -57,6 +56,7 @@ from hafedho.core import (
     Model,
     Params,
     RoundInfo,
+    aggregation_weight,
     hp,
     local_train,
     sgd,
@@ -123,7 +123,7 @@ class MOON(FedAlgorithm):
             return f + mu * model_contrastive_loss(z, z_glob, z_prev, m, tau), f
 
         res = local_train(objective, w_t, data, sgd(self.lr))
-        weight = info.num_examples if self.weighting == "data_size" else torch.ones_like(info.num_examples)
+        weight = aggregation_weight(info, self.weighting)
         metrics = {"train/loss": res.loss, "train/objective": res.objective}
         return ClientResult(Upload(tree.sub(res.params, w_t)), weight, ClientState(res.params), metrics)
 

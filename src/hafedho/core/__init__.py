@@ -6,6 +6,7 @@ from hafedho.core.algorithm import ConfigError, FedAlgorithm, hp
 from hafedho.core.local import (
     LocalResult,
     Transform,
+    aggregation_weight,
     chain,
     full_gradient,
     local_train,
@@ -32,6 +33,7 @@ __all__ = [
     "RoundInfo",
     "Transform",
     "WeightedMean",
+    "aggregation_weight",
     "chain",
     "full_gradient",
     "hp",

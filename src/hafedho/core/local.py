@@ -20,7 +20,7 @@ from torch.func import grad
 
 from hafedho.core import tree
 from hafedho.core.tree import Params
-from hafedho.core.types import ClientData, Objective
+from hafedho.core.types import ClientData, ClientInfo, Objective
 
 
 class Transform(NamedTuple):
@@ -112,6 +112,11 @@ def plain_objective(model: Any) -> Objective:
         return f, f
 
     return objective
+
+
+def aggregation_weight(info: ClientInfo, weighting: str) -> Tensor:
+    """The weight of a client's upload in the server's weighted mean: |D_i| (``"data_size"``) or 1 (``"uniform"``)."""
+    return info.num_examples if weighting == "data_size" else torch.ones_like(info.num_examples)
 
 
 def full_gradient(model: Any, params: Params, data: ClientData) -> tuple[Params, Tensor]:
