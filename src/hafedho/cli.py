@@ -1,4 +1,4 @@
-"""The ``hafedho`` command: run, demo, report, algorithms, datasets."""
+"""The ``hafedho`` command: run, demo, sweep, report, algorithms, datasets."""
 
 from __future__ import annotations
 
@@ -62,19 +62,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hafedho.report.plots import accuracy_curves
-    from hafedho.report.tables import accuracy_table, load_runs
+    from hafedho.report.build import write_report
 
-    runs = load_runs(args.runs_dir)
-    if not runs:
-        raise ConfigError(f"{args.runs_dir}: no run directories with evaluated rounds found")
-    out = Path(args.out or args.runs_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    table = accuracy_table(runs)
-    (out / "results.md").write_text(table)
-    accuracy_curves(runs, out / "accuracy.png")
-    print(table)
+    files = write_report(args.runs_dir, args.out, metric=args.metric, last=args.last)
+    print(files.text)
+    print(f"tables:  {files.markdown} (+ {len(files.tables)} .csv/.tex)\nfigures: {len(files.figures)} PNG")
+    print(f"page:    {files.html}")
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from hafedho.sweep import Outcome, expand, list_presets, load_preset, run_status, run_sweep, write_index
+
+    if args.preset == "list":
+        for name in list_presets():
+            p = load_preset(name, args.scale)
+            print(f"{name:8s} {len(expand(p, check=False)):4d} runs ({args.scale})  {p.description}")
+        return 0
+    preset = load_preset(args.preset, args.scale)
+    specs = expand(preset, args.seeds, args.overrides, args.out)
+    out = Path(args.out or preset.out)
+    if args.dry_run:
+        for s in specs:
+            point = ", ".join(f"{k}={v}" for k, v in s.point.items())
+            print(f"{run_status(s.run_dir):11s} {s.name}  [{point}]")
+        print(f"{len(specs)} runs of {preset.name} ({preset.scale}) in {out}")
+        return 0
+    failed: dict[str, str] = {}
+    write_index(preset, specs, out)
+
+    def on_outcome(o: Outcome) -> None:  # keep the index's failure list current, so a killed sweep still reports them
+        if o.status == "failed":
+            failed[o.name] = o.message
+            write_index(preset, specs, out, failed)
+
+    result = run_sweep(specs, jobs=args.jobs, progress=not args.quiet, on_outcome=on_outcome)
+    print(f"sweep {preset.name} ({preset.scale}): {result.summary()}; runs in {out}")
+    for o in result.failed:
+        print(f"hafedho: failed: {o.name}: {o.message}", file=sys.stderr)
+    print(f"report: hafedho report {out}")
+    return 1 if result.failed else 0
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
@@ -97,6 +124,12 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flower(args: argparse.Namespace) -> int:
+    from hafedho.flower.commands import run_command
+
+    return run_command(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hafedho", description="Federated learning: HaFedHo and baselines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -117,12 +150,34 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--seeds", type=int, default=3)
     d.add_argument("overrides", nargs="*")
     d.set_defaults(func=cmd_demo)
-    rep = sub.add_parser("report", help="tables and plots from run directories")
-    rep.add_argument("runs_dir")
-    rep.add_argument("--out")
+    rep = sub.add_parser("report", help="tables, plots and an HTML page from run directories")
+    rep.add_argument("runs_dir", help="a folder of run directories (and sweep indexes), searched recursively")
+    rep.add_argument("--out", help="where to write (default: RUNS_DIR)")
+    rep.add_argument("--metric", help="metric to tabulate (default: the preset's, else test/acc)")
+    rep.add_argument("--last", type=int, help="final value = mean of the last N evaluations (default: preset, else 10)")
     rep.set_defaults(func=cmd_report)
+    sw = sub.add_parser("sweep", help="run a preset's grid x seeds (skips done runs, resumes interrupted ones)")
+    sw.add_argument(
+        "preset", help="a packaged preset (table1, table2, table3, fig2, fig3, hetero, tune), a .toml file, or 'list'"
+    )
+    sw.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="replaces a grid axis (a TOML list gives several values), else applies to every run",
+    )
+    sw.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the preset's, usually 3)")
+    sw.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default 1)")
+    sw.add_argument("--scale", choices=("cpu", "full"), default="cpu", help="cpu (default) or the paper's full scale")
+    sw.add_argument("--out", help="folder for the run directories (default: the preset's, e.g. runs/paper-cpu)")
+    sw.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
+    sw.add_argument("--quiet", action="store_true", help="no progress bar or per-run lines")
+    sw.set_defaults(func=cmd_sweep)
     sub.add_parser("algorithms", help="list algorithms and hyperparameters").set_defaults(func=cmd_algorithms)
     sub.add_parser("datasets", help="list data sources and where they read from").set_defaults(func=cmd_datasets)
+    from hafedho.flower.commands import add_parser as add_flower_parser
+
+    add_flower_parser(sub).set_defaults(func=cmd_flower)
     return p
 
 

@@ -61,7 +61,13 @@ class Config:
     rounds: int = hp(100, "T: communication rounds", ge=1)
     eval_every: int = hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
     checkpoint_every: int = hp(10, "checkpoint every k rounds (and at the last)", ge=1)
-    engine: str = hp("loop", "simulation engine", choices=("loop",))
+    engine: str = hp(
+        "loop",
+        "simulation engine: loop (reference), process (worker pool), vmap (vectorised, GPU), auto (fastest here)",
+        choices=("loop", "process", "vmap", "auto"),
+    )
+    workers: int = hp(0, "process engine workers; 0 = one per core", ge=0)
+    vmap_chunk: int = hp(0, "vmap engine: clients per vectorised call; 0 = the whole cohort", ge=0)
     client_store: str = hp(
         "auto",
         "per-client state in RAM or memory-mapped on disk; auto = disk above 2 GiB",
@@ -150,6 +156,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     table = read_toml(path if path is not None else CONFIG_DIR / "default.toml")
     for text in overrides:
         table = _merge(table, parse_override(text))
+    return config_from_table(table)
+
+
+def config_from_table(table: dict[str, Any]) -> Config:
+    """A checked ``Config`` from a parsed TOML table (what ``load_config`` does after merging overrides)."""
     return validate(_build(Config, table, ""))
 
 

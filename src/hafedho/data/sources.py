@@ -179,6 +179,12 @@ def _load_synthetic(
 
 # ----------------------------------------------------------------------------- femnist
 
+# Pixel statistics of the LEAF FEMNIST train split (1.0 = background), measured on the 105-writer subset in
+# ../shared/data (mean 0.9612, std 0.1656); TFF's h5 files use the same convention. Without normalisation the
+# inputs sit near 1 and small models barely learn (an MLP: 5% vs 58% test accuracy after 1,000 steps).
+FEMNIST_MEAN = (0.9612,)
+FEMNIST_STD = (0.1656,)
+
 _Store = dict[str, list[tuple[np.ndarray, np.ndarray]]]
 
 
@@ -308,6 +314,8 @@ def _load_femnist(path: str | None = None, *, cache: bool = True) -> Dataset:
         arrays["y_test"],
         num_classes,
         groups=arrays["groups"],
+        mean=FEMNIST_MEAN,
+        std=FEMNIST_STD,
         info=info,
     )
 

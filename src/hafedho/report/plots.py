@@ -11,6 +11,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
+
+from hafedho.report.runs import Run, accuracy_stat
+from hafedho.report.tables import Layout, display
 
 
 def accuracy_curves(runs: list[dict[str, Any]], out: str | Path, title: str = "") -> Path:
@@ -35,3 +39,200 @@ def accuracy_curves(runs: list[dict[str, Any]], out: str | Path, title: str = ""
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+# ----------------------------------------------------------------------------- paper figures from sections
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _panels(n: int, width: float = 4.2, height: float = 3.2) -> tuple[Any, list[Any]]:
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.8), dpi=110, squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def _colors(rows: list[Any]) -> dict[Any, Any]:
+    cmap = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
+    return {r: cmap(i % cmap.N) for i, r in enumerate(rows)}
+
+
+def _finish(fig: Any, axes: list[Any], out: Path, ylabel: str) -> Path:
+    handles, labels = [], []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
+    rows = (len(labels) + 4) // 5
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * rows, 1, 1))
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _curve(runs: list[Run], metric: str) -> tuple[list[int], np.ndarray] | None:
+    series = [dict(r.evals(metric)) for r in runs]
+    series = [s for s in series if s]
+    if not series:
+        return None
+    rounds = sorted(set.intersection(*(set(s) for s in series)))
+    return rounds, np.array([[s[t] for t in rounds] for s in series]) * 100
+
+
+def section_curves(lay: Layout, out: str | Path) -> Path | None:
+    """Test metric per round, one panel per setting, one line per row: mean over finished seeds with a ±1 std
+    band. Rows whose every seed diverged are drawn dashed up to the divergence."""
+    s = lay.section
+    if not lay.rows:
+        return None
+    fig, axes = _panels(len(lay.columns))
+    colors = _colors(lay.rows)
+    for ax, col in zip(axes, lay.columns, strict=True):
+        for r in lay.rows:
+            g = lay.group_at(r, col)
+            if g is None:
+                continue
+            runs, style = g.finished(), "-"
+            if not runs:
+                runs, style = g.diverged(), "--"
+            curve = _curve(runs, s.metric)
+            if curve is None or not curve[0]:
+                continue
+            rounds, acc = curve
+            name = lay.row_name(r) + (" (diverged)" if style == "--" else "")
+            mean, std = acc.mean(0), acc.std(0)
+            ls = ":" if lay.is_reference(r) else style
+            ax.plot(rounds, mean, ls, color=colors[r], label=name, lw=1.4)
+            if len(acc) > 1:
+                ax.fill_between(rounds, mean - std, mean + std, color=colors[r], alpha=0.15, lw=0)
+        ax.set_title(lay.col_name(col) if lay.col_keys else s.title, fontsize=9)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _finish(fig, axes, Path(out), f"{s.metric_label} (%)")
+
+
+def _xscale(ax: Any, xs: list[float]) -> None:
+    pos = [x for x in xs if x > 0]
+    if pos and max(pos) / min(pos) >= 20:
+        if len(pos) == len(xs):
+            ax.set_xscale("log")
+        else:
+            ax.set_xscale("symlog", linthresh=min(pos))
+
+
+def versus_setting(lay: Layout, key: str, out: str | Path) -> Path | None:
+    """Final metric vs a numeric setting (e.g. Dirichlet q), one line per row, one panel per other setting;
+    error bars are ±1 std over seeds. References (e.g. centralised) appear as dotted lines."""
+    s = lay.section
+    others = [k for k in lay.col_keys if k != key]
+    panels: list[dict[str, Any]] = []
+    for col in lay.columns:
+        p = {k: col[k] for k in others}
+        if p not in panels:
+            panels.append(p)
+    xs = sorted({col[key] for col in lay.columns})
+    fig, axes = _panels(len(panels))
+    colors = _colors(lay.rows)
+    for ax, panel in zip(axes, panels, strict=True):
+        for r in lay.rows:
+            pts = []
+            for x in xs:
+                g = lay.group_at(r, {**panel, key: x})
+                if g is None:
+                    continue
+                st = accuracy_stat(g, s.metric, s.last)
+                if st.n:
+                    pts.append((x, st.mean * 100, st.std * 100))
+                elif st.diverged:
+                    ax.plot([x], [0], "x", color=colors[r], ms=8)
+            if pts:
+                x, y, e = zip(*pts, strict=True)
+                fmt = "o:" if lay.is_reference(r) else "o-"
+                ax.errorbar(x, y, yerr=e, fmt=fmt, color=colors[r], label=lay.row_name(r), capsize=3, ms=4, lw=1.2)
+        _xscale(ax, xs)
+        names = s.names()
+        ax.set_title(
+            ", ".join(display(k, v, names, k in s.named_axes) for k, v in panel.items()) or s.title, fontsize=9
+        )
+        ax.set_xlabel(key.rsplit(".", 1)[-1])
+    return _finish(fig, axes, Path(out), f"final {s.metric_label} (%)")
+
+
+def versus_hyper(lay: Layout, label: str, key: str, out: str | Path) -> Path | None:
+    """Final metric vs one hyperparameter of ``label`` (e.g. HaFedHo's mu), one line per combination of its
+    other varying hyperparameters (e.g. objective vs gradient rectification), one panel per setting.
+    Diverged settings are marked x at the bottom."""
+    s = lay.section
+    keys = lay.row_hyper_keys.get(label, [])
+    rows = [r for r in lay.rows if r[0] == label]
+    lines: dict[tuple, list[tuple[str, Any]]] = {}
+    for r in rows:
+        rest = tuple((k, v) for k, v in r[1] if k != key)
+        lines.setdefault(rest, []).append(r)
+    if key not in keys:
+        return None
+    fig, axes = _panels(len(lay.columns))
+    colors = _colors(list(lines))
+    names = s.names()
+    for ax, col in zip(axes, lay.columns, strict=True):
+        xs_all, diverged = [], []
+        for rest, members in lines.items():
+            pts, bad = [], []
+            for r in members:
+                x = dict(r[1])[key]
+                xs_all.append(x)
+                g = lay.group_at(r, col)
+                if g is None:
+                    continue
+                st = accuracy_stat(g, s.metric, s.last)
+                if st.n:
+                    pts.append((x, st.mean * 100, st.std * 100))
+                elif st.diverged:
+                    bad.append(x)
+            name = " ".join(display(k, v, names, False) for k, v in rest) or label
+            if pts:
+                pts.sort()
+                x, y, e = zip(*pts, strict=True)
+                ax.errorbar(x, y, yerr=e, fmt="o-", color=colors[rest], label=name, capsize=3, ms=4, lw=1.2)
+            if bad:
+                diverged.append((bad, colors[rest], f"{name}: diverged"))
+        lo, hi = ax.get_ylim()
+        for bad, color, name in diverged:  # at the bottom edge, once the finished points set the scale
+            ax.plot(bad, [lo] * len(bad), "x", color=color, ms=9, mew=2, label=name, clip_on=False)
+        ax.set_ylim(lo, hi)
+        _xscale(ax, sorted(set(xs_all)))
+        ax.set_title(lay.col_name(col) if lay.col_keys else s.title, fontsize=9)
+        ax.set_xlabel(f"{label} {key.rsplit('.', 1)[-1]}")
+    return _finish(fig, axes, Path(out), f"final {s.metric_label} (%)")
+
+
+def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Path]:
+    """Every figure a section supports: curves; metric vs each numeric setting; vs each numeric hyperparameter."""
+    out_dir = Path(out_dir)
+    made = []
+    if (p := section_curves(lay, out_dir / f"{prefix}accuracy.png")) is not None:
+        made.append(p)
+    for key in lay.col_keys:
+        values = {col[key] for col in lay.columns}
+        if len(values) > 1 and all(_is_number(v) for v in values):
+            short = key.rsplit(".", 1)[-1]
+            if (p := versus_setting(lay, key, out_dir / f"{prefix}vs_{short}.png")) is not None:
+                made.append(p)
+    for label, keys in lay.row_hyper_keys.items():
+        for key in keys:
+            values = {dict(r[1]).get(key) for r in lay.rows if r[0] == label}
+            if len(values) > 1 and all(_is_number(v) for v in values):
+                short = key.rsplit(".", 1)[-1]
+                if (p := versus_hyper(lay, label, key, out_dir / f"{prefix}{label}_vs_{short}.png")) is not None:
+                    made.append(p)
+    return made

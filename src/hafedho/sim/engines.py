@@ -1,15 +1,27 @@
 """Engines run one round's cohort: every client's update, streamed into the algorithm's aggregator.
 
-``loop`` is the reference: a plain Python loop, any ``nn.Module``. Faster engines must agree with it.
+``loop`` is the reference: a plain Python loop, any ``nn.Module``. Faster engines must agree with it:
+
+* ``process`` (``hafedho.sim.process``): the cohort spread over a persistent pool of single-threaded worker
+  processes; same results as ``loop`` up to float rounding, bit-identical for any number of workers.
+* ``vmap`` (``hafedho.sim.vmap``): ``torch.func.vmap`` over chunks of the cohort (on a GPU when there is one);
+  same results as ``loop`` up to float rounding for dropout-free models.
+* ``auto``: ``vmap`` on a GPU, ``process`` on a multi-core CPU, ``loop`` otherwise.
+
+Every engine adds the uploads into the aggregator in cohort order, so the float64 sums see the same
+sequence of additions whatever the engine's internal schedule.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.data.federated import BatchPlan, FederatedData
@@ -24,6 +36,28 @@ class CohortResult:
     bytes_up: int = 0
 
 
+class CohortStream:
+    """Folds clients' results into the aggregator, metric sums and byte count; callers add in cohort order."""
+
+    def __init__(self, alg: FedAlgorithm, size: int) -> None:
+        self.agg = alg.new_aggregator()
+        self.size = size
+        self.sums: dict[str, float] = {}
+        self.like: Any = None
+        self.bytes_up = 0
+
+    def add(self, upload: Any, weight: Any, metrics: dict[str, Any]) -> None:
+        self.agg.add(tree.detach(upload), weight)
+        self.like = upload
+        self.bytes_up += tree.num_bytes(upload)
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+
+    def result(self) -> CohortResult:
+        n = max(self.size, 1)
+        return CohortResult(self.agg.result(self.like), {k: v / n for k, v in self.sums.items()}, self.bytes_up)
+
+
 def loop_engine(
     alg: FedAlgorithm,
     msg: Any,
@@ -35,22 +69,124 @@ def loop_engine(
     rnd: RoundInfo,
     seed: int,
 ) -> CohortResult:
-    agg = alg.new_aggregator()
-    sums: dict[str, float] = {}
-    like, bytes_up = None, 0
+    stream = CohortStream(alg, len(cohort))
     model.train()
     for cid in cohort.tolist():
         torch.manual_seed(seed_for(seed, "client_torch", rnd.round, cid))  # dropout: pure in (seed, t, i)
         data = fed.client_data(seed, rnd.round, cid, plan)
         res = alg.client_update(msg, store.gather(cid), data, fed.client_info(cid), rnd, model)
-        agg.add(tree.detach(res.upload), res.weight)
+        stream.add(res.upload, res.weight, res.metrics)
         store.scatter(cid, res.state)
-        like = res.upload
-        bytes_up += tree.num_bytes(res.upload)
-        for k, v in res.metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-    n = max(len(cohort), 1)
-    return CohortResult(agg.result(like), {k: v / n for k, v in sums.items()}, bytes_up)
+    return stream.result()
 
 
-ENGINES = {"loop": loop_engine}
+class Engine(Protocol):
+    """A round's cohort runner with the signature of ``loop_engine``; ``close()`` frees workers (idempotent)."""
+
+    name: str
+
+    def __call__(
+        self,
+        alg: FedAlgorithm,
+        msg: Any,
+        cohort: np.ndarray,
+        store: ClientStore,
+        fed: FederatedData,
+        plan: BatchPlan,
+        model: FunctionalModel,
+        rnd: RoundInfo,
+        seed: int,
+    ) -> CohortResult: ...
+
+    def close(self) -> None: ...
+
+
+class LoopEngine:
+    """``loop_engine`` as an ``Engine`` (nothing to close)."""
+
+    name = "loop"
+
+    def __call__(self, *args: Any) -> CohortResult:
+        return loop_engine(*args)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> LoopEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (the affinity mask, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def auto_choice(model: FunctionalModel) -> str:
+    """``vmap`` on a GPU (unless the model has BatchNorm), ``process`` on a multi-core CPU, else ``loop``."""
+    if torch.cuda.is_available() and not has_batchnorm(model.module):
+        return "vmap"
+    return "process" if available_cores() >= 2 else "loop"
+
+
+class AutoEngine:
+    """Picks its engine at the first round, when the model is known (see ``auto_choice``); ``name`` tells which."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+        self.inner: Engine | None = None
+        self.name = "auto"
+
+    def __call__(self, alg: FedAlgorithm, msg: Any, cohort: np.ndarray, *rest: Any) -> CohortResult:
+        if self.inner is None:
+            model = rest[3]
+            choice = auto_choice(model)
+            self.inner = make_engine(choice, **self.options)
+            self.name = f"auto:{choice}"
+        return self.inner(alg, msg, cohort, *rest)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+    def __enter__(self) -> AutoEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _process(workers: int = 0, **_: Any) -> Engine:
+    from hafedho.sim.process import ProcessEngine  # imported on demand: loop runs never load it
+
+    return ProcessEngine(workers=workers)
+
+
+def _vmap(vmap_chunk: int = 0, **_: Any) -> Engine:
+    from hafedho.sim.vmap import VmapEngine
+
+    return VmapEngine(chunk=vmap_chunk)
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {
+    "loop": lambda **_: LoopEngine(),
+    "process": _process,
+    "vmap": _vmap,
+    "auto": AutoEngine,
+}
+
+
+def make_engine(name: str, *, workers: int = 0, vmap_chunk: int = 0) -> Engine:
+    """A fresh engine by config name; call ``close()`` (or use it as a context manager) when the run ends."""
+    if name not in ENGINES:
+        raise ValueError(f"engine={name!r}: choose one of {', '.join(map(repr, ENGINES))}")
+    return ENGINES[name](workers=workers, vmap_chunk=vmap_chunk)

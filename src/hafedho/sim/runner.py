@@ -27,7 +27,7 @@ from hafedho.results import (
     write_json,
 )
 from hafedho.sim import checkpoint
-from hafedho.sim.engines import ENGINES
+from hafedho.sim.engines import Engine, make_engine
 from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.sim.store import ClientStore
 
@@ -114,6 +114,14 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> No
 
 def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
     """Run (or continue) an experiment in ``run_dir``; returns the last metrics row."""
+    engine = make_engine(exp.cfg.engine, workers=exp.cfg.workers, vmap_chunk=exp.cfg.vmap_chunk)
+    try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
+        return _run(exp, run_dir, resume, force, progress, engine)
+    finally:
+        engine.close()
+
+
+def _run(exp: Experiment, run_dir: Path | str, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
     cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
     run_dir = Path(run_dir)
     prepare_run_dir(run_dir, cfg, resume, force)
@@ -149,7 +157,6 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
     truncate_metrics(run_dir, start - 1)  # rounds after the checkpoint are recomputed identically
 
     x_test, y_test = fed.x_test(), fed.y_test
-    engine = ENGINES[cfg.engine]
     last: dict[str, Any] = {}
     bar = tqdm(range(start, cfg.rounds + 1), desc=cfg.run_name, disable=not progress, leave=False)
     for t in bar:

@@ -1,0 +1,40 @@
+"""The Flower ServerApp: builds the Experiment from the run config and runs :class:`HafedhoStrategy`.
+
+Run-config keys (``[tool.flwr.app.config]``, overridable with ``flwr run -c``) are listed in
+``hafedho.flower.common.RUN_CONFIG_DEFAULTS``.
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+
+from hafedho.flower.common import experiment, run_setting, set_threads
+from hafedho.flower.strategy import HafedhoStrategy
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    rc = context.run_config
+    set_threads(rc)
+    exp = experiment(rc)
+    run_dir = str(run_setting(rc, "run-dir")) or str(Path(exp.cfg.out) / "flower" / exp.cfg.run_name)
+    timeout = float(run_setting(rc, "round-timeout"))
+    node_wait = float(run_setting(rc, "node-wait"))
+    strategy = HafedhoStrategy(exp, run_dir, node_wait=node_wait, query_timeout=min(timeout, 120.0))
+    strategy.prepare(force=bool(run_setting(rc, "force")))
+    strategy.start(
+        grid,
+        strategy.initial_arrays(),
+        num_rounds=exp.cfg.rounds,
+        timeout=timeout,
+        evaluate_fn=strategy.evaluate_global,
+    )
+    strategy.finish()
+    log(INFO, "hafedho: %d rounds written to %s", len(strategy.rows), Path(run_dir).resolve())

@@ -1,0 +1,81 @@
+"""``hafedho report``: every table, figure and the HTML page from run directories (and sweep indexes) only."""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from hafedho.config import ConfigError
+from hafedho.report.html import SectionPage, page
+from hafedho.report.runs import load_sections
+from hafedho.report.tables import Layout, Table, rounds_rows, section_tables, summary_rows
+from hafedho.results import atomic_write_text
+
+
+@dataclass
+class ReportFiles:
+    markdown: Path
+    html: Path
+    tables: list[Path] = field(default_factory=list)
+    figures: list[Path] = field(default_factory=list)
+    text: str = ""
+
+
+def _csv(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def write_report(
+    runs_dir: str | Path, out: str | Path | None = None, metric: str | None = None, last: int | None = None
+) -> ReportFiles:
+    """Write results.md, report.html, summary.csv, rounds_to_target.csv, each table as .csv and .tex, and the
+    PNG figures into ``out`` (default: ``runs_dir``). With several sections, file names start with the section."""
+    from hafedho.report.plots import section_plots  # matplotlib only when figures are drawn
+
+    sections = load_sections(runs_dir, metric, last)
+    if not sections:
+        raise ConfigError(f"{runs_dir}: no run directories with metrics and no sweep index (sweeps/*.json) found")
+    out = Path(out or runs_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md = [f"# Results from `{runs_dir}`\n"]
+    pages, tables_written, figures = [], [], []
+    summary, rounds = [], []
+    for section in sections:
+        prefix = f"{section.name}_" if len(sections) > 1 else ""
+        tables: list[Table] = section_tables(section)
+        figs = section_plots(Layout.of(section), out, prefix) if Layout.of(section).rows else []
+        md.append(f"## {section.title}\n")
+        if section.description:
+            md.append(f"{section.description}\n")
+        for t in tables:
+            md.append(f"### {t.title}\n\n{t.markdown()}")
+            if t.note:
+                md.append("\n".join(f"> {line}" for line in t.note.splitlines()) + "\n")
+            for ext, text in (("csv", t.csv()), ("tex", t.latex())):
+                path = out / f"{prefix}{t.slug}.{ext}"
+                atomic_write_text(path, text)
+                tables_written.append(path)
+        md += [f"![{f.stem}]({f.name})\n" for f in figs]
+        figures += figs
+        pages.append(SectionPage(section.name, section.title, section.description, tables, figs))
+        summary += summary_rows(section)
+        rounds += rounds_rows(section)
+    text = "\n".join(md)
+    atomic_write_text(out / "results.md", text)
+    for name, rows in (("summary.csv", summary), ("rounds_to_target.csv", rounds)):
+        if rows:
+            atomic_write_text(out / name, _csv(rows))
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
+    html_path = out / "report.html"
+    atomic_write_text(html_path, page("hafedho report", pages, f"{runs_dir}, generated {stamp}"))
+    return ReportFiles(out / "results.md", html_path, tables_written, figures, text)

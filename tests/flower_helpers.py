@@ -1,0 +1,130 @@
+"""Helpers for tests/test_flower.py: an in-process Grid, simulator references, process fixtures."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from hafedho.config import load_config
+from hafedho.core import RoundInfo, tree
+from hafedho.experiment import build
+from hafedho.flower.client_app import app as client_app
+from hafedho.flower.common import client_template, config_path
+from hafedho.sim import checkpoint
+from hafedho.sim.runner import Experiment, run
+from hafedho.sim.seeds import seed_for
+from hafedho.sim.store import ClientStore
+
+
+class LocalGrid(Grid):
+    """Calls the ClientApp in this process, one Context per node, as a SuperNode would keep it.
+
+    ``fail`` maps a round to client ids whose nodes answer that round's train message with an error.
+    """
+
+    def __init__(self, run_config: dict[str, Any], num_nodes: int, fail: dict[int, set[int]] | None = None) -> None:
+        self.contexts = {
+            100 + i: Context(1, 100 + i, {"partition-id": i, "num-partitions": num_nodes}, RecordDict(), run_config)
+            for i in range(num_nodes)
+        }
+        self.fail = fail or {}
+        self.sent: list[Message] = []
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # what a ServerApp process has
+
+    def set_run(self, run: Any) -> None:  # pragma: no cover - not used
+        pass
+
+    @property
+    def run(self) -> Any:  # pragma: no cover - not used
+        return None
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl=None):
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # pragma: no cover - not used
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # pragma: no cover - not used
+        raise NotImplementedError
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            ctx = self.contexts[msg.metadata.dst_node_id]
+            cid = int(ctx.node_config["partition-id"])
+            if msg.metadata.message_type == "train" and cid in self.fail.get(int(msg.metadata.group_id), set()):
+                replies.append(Message(Error(code=0, reason="node lost"), reply_to=msg))
+                continue
+            reply = client_app(msg, ctx)
+            replies.append(copy.deepcopy(reply))
+        return replies
+
+
+def smoke_config(alg: str, tmp: Path, *overrides: str):
+    cfg = load_config(config_path("smoke"), [f"algorithm.name={alg}", *overrides])
+    cfg.out = str(tmp)
+    return cfg
+
+
+def simulate(alg: str, tmp: Path, *overrides: str) -> tuple[Experiment, dict[str, torch.Tensor], Path]:
+    """The reference simulator's run; returns the experiment, the final global model and the run dir."""
+    cfg = smoke_config(alg, tmp, *overrides)
+    exp = build(cfg)
+    run_dir = tmp / "sim"
+    run(exp, run_dir, progress=False)
+    server = exp.alg.init_server(exp.model.params())
+    _, server, _, _ = checkpoint.load(run_dir / "checkpoint.pt", server)
+    return exp, exp.alg.eval_params(server), run_dir
+
+
+def simulate_with_drops(exp: Experiment, drops: dict[int, set[int]]) -> dict[str, torch.Tensor]:
+    """The simulator's loop with some clients' uploads lost in some rounds (clients ran with the sampled m,
+    the server aggregated the rest with m = what arrived); state of a lost client is lost with its node."""
+    alg, fed, model, cfg = exp.alg, exp.fed, exp.model, exp.cfg
+    params0 = model.params()
+    server = alg.init_server(params0)
+    store = ClientStore(client_template(exp), fed.num_clients)
+    for t in range(1, cfg.rounds + 1):
+        cohort = exp.cohort(t).tolist()
+        rnd = RoundInfo(t, fed.num_clients, len(cohort))
+        msg = alg.broadcast(server, rnd)
+        agg, like, used = alg.new_aggregator(), None, 0
+        model.train()
+        for cid in cohort:
+            if cid in drops.get(t, set()):
+                continue
+            torch.manual_seed(seed_for(cfg.seed, "client_torch", t, cid))
+            data = fed.client_data(cfg.seed, t, cid, exp.plan)
+            res = alg.client_update(msg, store.gather(cid), data, fed.client_info(cid), rnd, model)
+            agg.add(tree.detach(res.upload), res.weight)
+            store.scatter(cid, res.state)
+            like, used = res.upload, used + 1
+        server, _ = alg.server_update(server, agg.result(like) if used else None, RoundInfo(t, fed.num_clients, used))
+    return alg.eval_params(server)
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def flower_final(run_dir: Path, exp: Experiment) -> dict[str, torch.Tensor]:
+    server = exp.alg.init_server(exp.model.params())
+    _, server, _, _ = checkpoint.load(Path(run_dir) / "checkpoint.pt", server)
+    return exp.alg.eval_params(server)
+
+
+def cohorts(exp: Experiment) -> list[list[int]]:
+    return [np.asarray(exp.cohort(t)).tolist() for t in range(1, exp.cfg.rounds + 1)]

@@ -1,0 +1,289 @@
+"""Engines: every engine agrees with the reference ``loop`` on every registered algorithm, and the process
+pool is deterministic, streams errors back and never leaks workers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hafedho.algorithms import REGISTRY
+from hafedho.algorithms.fedavg import Broadcast, FedAvg
+from hafedho.config import CONFIG_DIR, load_config
+from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, FunctionalModel, RoundInfo
+from hafedho.data.federated import BatchPlan, FederatedData
+from hafedho.experiment import build
+from hafedho.models import build_model
+from hafedho.sim import engines
+from hafedho.sim.engines import AutoEngine, LoopEngine, auto_choice, loop_engine, make_engine
+from hafedho.sim.process import ProcessEngine, WorkerError, dumps, loads
+from hafedho.sim.runner import Divergence, run
+from hafedho.sim.store import ClientStore
+from hafedho.sim.vmap import VmapEngine, VmapUnsupported, stack_data
+
+# Not vmap-safe client updates, by registry name -> reason (none known today; see the report of issue #4).
+VMAP_XFAIL: dict[str, str] = {}
+
+CONTRACT = [
+    "rounds=3",
+    "eval_every=3",
+    "checkpoint_every=3",
+    "model.name='mlp'",
+    "model.options={hidden=[32]}",
+    "sampling.cohort_size=4",
+    "clients.local_epochs=1",  # unequal step counts: vmap pads with no-op steps
+]
+
+
+def final_state(tmp: Path, alg: str, *overrides: str) -> list[torch.Tensor]:
+    """Server state and client store after three rounds of the smoke experiment (mlp on digits)."""
+    cfg = load_config(CONFIG_DIR / "smoke.toml", [f"algorithm.name={alg}", *CONTRACT, *overrides])
+    cfg.out = str(tmp)
+    run(build(cfg), tmp / "run", progress=False)
+    ckpt = torch.load(tmp / "run" / "checkpoint.pt", weights_only=True)
+    return ckpt["server"] + ckpt["store"]
+
+
+_LOOP: dict[str, list[torch.Tensor]] = {}
+
+
+def loop_state(tmp: Path, alg: str) -> list[torch.Tensor]:
+    if alg not in _LOOP:
+        _LOOP[alg] = final_state(tmp / "loop", alg, "engine='loop'")
+    return _LOOP[alg]
+
+
+def assert_close(a: list[torch.Tensor], b: list[torch.Tensor], exact: bool = False) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        if exact:
+            assert torch.equal(x, y)
+        elif x.is_floating_point():
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        else:
+            assert torch.equal(x, y)
+
+
+ENGINE_CASES = [("process", "workers=2"), ("vmap", "vmap_chunk=3")]  # chunk 3 of 4: a short last chunk
+
+
+def contract_cases() -> list[Any]:
+    cases = []
+    for alg in sorted(REGISTRY):  # the registry grows: every algorithm is checked the moment it is registered
+        for engine, option in ENGINE_CASES:
+            marks = (
+                [pytest.mark.xfail(reason=VMAP_XFAIL[alg], strict=True)]
+                if engine == "vmap" and alg in VMAP_XFAIL
+                else []
+            )
+            cases.append(pytest.param(alg, engine, option, id=f"{alg}-{engine}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("alg", "engine", "option"), contract_cases())
+def test_engine_matches_loop_after_three_rounds(tmp_path: Path, alg: str, engine: str, option: str) -> None:
+    ref = loop_state(tmp_path, alg)
+    got = final_state(tmp_path / engine, alg, f"engine='{engine}'", option)
+    assert_close(got, ref)
+    assert not mp.active_children(), "the run left worker processes behind"
+
+
+def test_process_results_do_not_depend_on_the_number_of_workers(tmp_path: Path) -> None:
+    one = final_state(tmp_path / "one", "hafedho", "engine='process'", "workers=1")
+    three = final_state(tmp_path / "three", "hafedho", "engine='process'", "workers=3")
+    assert_close(one, three, exact=True)
+
+
+def test_auto_engine_runs_and_matches_loop(tmp_path: Path) -> None:
+    ref = loop_state(tmp_path, "fedavg")
+    assert_close(final_state(tmp_path / "auto", "fedavg", "engine='auto'"), ref)
+
+
+# ----------------------------------------------------------------------------- engine-level fixtures
+
+
+def image_fed(num_clients: int = 4, n: int = 24, side: int = 28, seed: int = 0) -> FederatedData:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (num_clients * n, 1, side, side), dtype=np.uint8)
+    y = rng.integers(0, 10, num_clients * n)
+    parts = [np.arange(i * n, (i + 1) * n - 3 * i) for i in range(num_clients)]  # unequal sizes
+    return FederatedData(x, y, x[:8], y[:8], parts)
+
+
+def run_rounds(engine: Any, alg: Any, fed: FederatedData, model: FunctionalModel, rounds: int = 2) -> tuple:
+    """A bare round loop (no run directory): the final server state, store leaves and last metrics."""
+    server = alg.init_server(model.params())
+    store = ClientStore(alg.init_client(model.params()), fed.num_clients)
+    plan = BatchPlan(local_steps=2, batch_size=4)
+    out = None
+    for t in range(1, rounds + 1):
+        cohort = np.arange(fed.num_clients)
+        rnd = RoundInfo(t, fed.num_clients, len(cohort))
+        out = engine(alg, alg.broadcast(server, rnd), cohort, store, fed, plan, model, rnd, 7)
+        server, _ = alg.server_update(server, out.aggregate, rnd)
+    return server, store, out
+
+
+def conv_model(name: str) -> FunctionalModel:
+    torch.manual_seed(0)
+    return FunctionalModel(build_model(name, (1, 28, 28), 10))
+
+
+@pytest.mark.parametrize("name", ["lenet5", "femnist_cnn"])  # femnist_cnn has dropout: same seeds, same masks
+def test_process_matches_loop_on_conv_models_with_channels_last(name: str) -> None:
+    fed, alg = image_fed(), REGISTRY["hafedho"](lr=0.05)
+    ref_server, ref_store, ref_out = run_rounds(loop_engine, alg, fed, conv_model(name))
+    with ProcessEngine(workers=2) as eng:
+        server, store, out = run_rounds(eng, alg, fed, conv_model(name))
+    for a, b in zip(ref_server.params.values(), server.params.values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(ref_store.state_dict(), store.state_dict(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert out.bytes_up == ref_out.bytes_up and out.metrics.keys() == ref_out.metrics.keys()
+    assert not mp.active_children()
+
+
+@pytest.mark.slow
+def test_spawned_workers_get_the_data_through_shared_memory() -> None:
+    """The start method used where fork is unavailable (macOS, Windows), checked here on Linux."""
+    fed, alg = image_fed(), REGISTRY["scaffold"](lr=0.05)
+    ref_server, _, _ = run_rounds(loop_engine, alg, fed, conv_model("lenet5"))
+    with ProcessEngine(workers=2, start_method="spawn") as eng:
+        server, _, _ = run_rounds(eng, alg, fed, conv_model("lenet5"))
+    assert fed.x_train.is_shared()
+    for a, b in zip(ref_server.params.values(), server.params.values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_empty_cohort_gives_no_aggregate() -> None:
+    fed, alg, model = image_fed(), FedAvg(), FunctionalModel(build_model("logreg", (1, 28, 28), 10))
+    store = ClientStore((), fed.num_clients)
+    rnd = RoundInfo(1, fed.num_clients, 0)
+    msg = alg.broadcast(alg.init_server(model.params()), rnd)
+    for eng in (LoopEngine(), ProcessEngine(workers=2), VmapEngine(device="cpu")):
+        with eng:
+            out = eng(alg, msg, np.array([], dtype=np.int64), store, fed, BatchPlan(2, 4), model, rnd, 0)
+        assert out.aggregate is None and out.metrics == {} and out.bytes_up == 0
+    assert not mp.active_children()
+
+
+# ----------------------------------------------------------------------------- process pool behaviour
+
+
+@dataclass(frozen=True, kw_only=True)
+class Faulty(FedAvg):
+    """FedAvg that fails on one client: by raising, or by killing its worker process outright."""
+
+    name = "faulty"
+    bad: int = 2
+    how: str = "raise"
+
+    def client_update(
+        self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Any
+    ) -> ClientResult:
+        if int(info.num_examples) == self.bad:
+            if self.how == "exit":
+                os._exit(3)
+            raise ValueError("boom on purpose")
+        return super().client_update(msg, state, data, info, rnd, model)
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_worker_failure_is_reported_and_the_pool_is_closed(how: str) -> None:
+    fed = image_fed()
+    alg = Faulty(bad=int(fed.sizes[2]), how=how)
+    eng = ProcessEngine(workers=2)
+    with pytest.raises(WorkerError) as err:
+        run_rounds(eng, alg, fed, conv_model("lenet5"), rounds=1)
+    if how == "raise":
+        assert "client 2" in str(err.value) and "ValueError: boom on purpose" in str(err.value)
+    else:
+        assert "died (exit code 3)" in str(err.value)
+    assert eng._pool is None and not mp.active_children()
+    eng.close()  # idempotent
+
+
+def test_interrupt_in_the_parent_terminates_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    fed, alg = image_fed(), FedAvg()
+    eng = ProcessEngine(workers=2)
+    run_rounds(eng, alg, fed, conv_model("lenet5"), rounds=1)
+    assert len(mp.active_children()) == 2  # the pool persists across rounds
+
+    def interrupt(self: ClientStore, cid: int, state: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ClientStore, "scatter", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_rounds(eng, alg, fed, conv_model("lenet5"), rounds=1)
+    assert not mp.active_children()
+
+
+def test_divergence_closes_the_pool(tmp_path: Path) -> None:
+    cfg = load_config(CONFIG_DIR / "smoke.toml", ["rounds=40", "engine='process'", "algorithm.hafedho.mu=50.0"])
+    cfg.out = str(tmp_path)
+    with pytest.raises(Divergence):
+        run(build(cfg), tmp_path / "run", progress=False)
+    assert not mp.active_children()
+
+
+def test_wire_format_round_trips_any_pytree() -> None:
+    state = ({"w": torch.randn(3, 4).t(), "b": torch.arange(3)}, torch.tensor(-1), torch.ones(2, dtype=torch.bfloat16))
+    back = loads(dumps(state))
+    assert torch.equal(back[0]["w"], state[0]["w"]) and torch.equal(back[0]["b"], state[0]["b"])
+    assert torch.equal(back[1], state[1]) and back[2].dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- vmap and auto
+
+
+@pytest.mark.filterwarnings("ignore:BatchNorm layers")
+def test_vmap_refuses_batchnorm_in_one_line() -> None:
+    fed, alg = image_fed(), FedAvg()
+    model = FunctionalModel(nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.BatchNorm1d(16), nn.Linear(16, 10)))
+    with pytest.raises(VmapUnsupported, match="BatchNorm") as err:
+        run_rounds(VmapEngine(device="cpu"), alg, fed, model, rounds=1)
+    assert "\n" not in str(err.value)
+
+
+def test_stack_data_pads_short_clients_with_no_op_steps() -> None:
+    a = ClientData(torch.ones(3, 2, 5), torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2))
+    b = ClientData(torch.ones(1, 2, 5), torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2))
+    s = stack_data([a, b])
+    assert s.x.shape == (2, 3, 2, 5) and s.mask[1].sum(1).tolist() == [2.0, 0.0, 0.0]
+    assert s.y.dtype == torch.long and torch.equal(s.x[1, 2], b.x[0])  # the last batch again, masked out
+
+
+@pytest.mark.filterwarnings("ignore:BatchNorm layers")
+def test_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = FunctionalModel(nn.Linear(4, 2))
+    bn = FunctionalModel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
+    monkeypatch.setattr(engines, "available_cores", lambda: 1)
+    assert auto_choice(plain) == "loop"
+    monkeypatch.setattr(engines, "available_cores", lambda: 8)
+    assert auto_choice(plain) == "process"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto_choice(plain) == "vmap" and auto_choice(bn) == "process"
+
+
+def test_auto_engine_names_its_choice() -> None:
+    fed, alg = image_fed(), FedAvg()
+    with AutoEngine() as eng:
+        run_rounds(eng, alg, fed, conv_model("lenet5"), rounds=1)
+        assert eng.name == f"auto:{auto_choice(conv_model('lenet5'))}"
+    assert not mp.active_children()
+
+
+def test_engine_config_is_validated() -> None:
+    for name in ("loop", "process", "vmap", "auto"):
+        assert load_config(CONFIG_DIR / "smoke.toml", [f"engine='{name}'"]).engine == name
+    with pytest.raises(ConfigError, match="workers"):
+        load_config(CONFIG_DIR / "smoke.toml", ["workers=-1"])
+    with pytest.raises(ValueError, match="engine='gpu'"):
+        make_engine("gpu")

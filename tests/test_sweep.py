@@ -1,0 +1,246 @@
+"""Presets and sweeps: every preset expands to valid configs at both scales; a sweep skips finished runs, resumes
+interrupted ones, records diverged and failed ones; each preset's CPU variant runs two rounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hafedho.cli import main
+from hafedho.config import ConfigError, dump_toml
+from hafedho.report.build import write_report
+from hafedho.results import read_metrics
+from hafedho.sweep import (
+    SCALES,
+    _RunLock,
+    expand,
+    list_presets,
+    load_preset,
+    run_spec,
+    run_status,
+    run_sweep,
+    write_index,
+)
+
+PAPER = ["fig2", "fig3", "hetero", "table1", "table2", "table3", "tune"]
+
+TINY = """
+seeds = 2
+out = "{out}"
+description = "tiny"
+
+[base]
+rounds = 3
+eval_every = 1
+checkpoint_every = 1
+engine = "loop"
+
+[base.data]
+source = "digits"
+partition = "dirichlet"
+q = 0.5
+num_clients = 10
+
+[base.clients]
+local_steps = 3
+batch_size = 16
+
+[base.sampling]
+fraction = 0.3
+
+[base.model]
+name = "logreg"
+
+[base.algorithm]
+name = "hafedho"
+lr = 0.1
+
+[grid]
+{grid}
+"""
+
+
+def tiny(tmp: Path, grid: str = '"algorithm.name" = ["hafedho", "fedavg"]', extra: str = "") -> Path:
+    path = tmp / "tiny.toml"
+    path.write_text(TINY.format(out=tmp / "runs", grid=grid) + extra)
+    return path
+
+
+def test_packaged_presets() -> None:
+    assert list_presets() == PAPER
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("name", PAPER)
+def test_every_preset_expands_to_valid_configs(name: str, scale: str) -> None:
+    """Every grid point x seed is a valid config whose algorithm builds (no data is loaded)."""
+    preset = load_preset(name, scale)
+    specs = expand(preset)
+    assert specs and len({s.name for s in specs}) == len(specs)
+    assert [s.name for s in expand(load_preset(name, scale))] == [s.name for s in specs]  # deterministic names
+    for s in specs:
+        assert s.cfg.name == s.name and s.cfg.out == f"runs/paper-{scale}"
+        alg = s.cfg.algorithm
+        assert not [k for k, v in alg.items() if isinstance(v, dict) and k != alg["name"]]  # pruned tables
+    if scale == "cpu":
+        assert all(s.cfg.engine == "loop" and s.cfg.data.source in ("femnist", "cifar10") for s in specs)
+        assert {s.cfg.data.path for s in specs} == {None}  # the copies in ../shared/data
+
+
+def test_scales_and_bundles() -> None:
+    full = {s.point["dataset"]: s.cfg for s in expand(load_preset("table1", "full")) if s.label == "hafedho"}
+    cpu = {s.point["dataset"]: s.cfg for s in expand(load_preset("table1", "cpu")) if s.label == "hafedho"}
+    assert set(full) == {"femnist", "cifar10", "cifar100"} and set(cpu) == {"femnist", "cifar10"}
+    assert full["femnist"].data.num_clients == 3400 and full["femnist"].model.name == "femnist_cnn"
+    assert full["cifar10"].model.name == "resnet18_gn" and full["cifar10"].sampling.fraction == 0.1
+    assert cpu["cifar10"].model.name == "lenet5" and cpu["cifar10"].rounds == 30
+    moon = [s.cfg for s in expand(load_preset("table1")) if s.label == "moon"]
+    assert {c.data.source: c.algorithm["moon"]["mu"] for c in moon} == {"cifar10": 5.0, "femnist": 1.0}
+    t3 = expand(load_preset("table3"), seeds=1)
+    fixed = [s.cfg for s in t3 if s.point["population"] == "fixed" and s.point["participation"] == 0.002]
+    assert fixed[0].data.num_clients == 1000 and fixed[0].sampling.cohort_size == 2 and fixed[0].rounds == 100
+    bern = [s.cfg for s in t3 if s.point["population"] == "bernoulli" and s.point["participation"] == 0.01]
+    assert bern[0].sampling.mode == "bernoulli" and bern[0].sampling.prob == 0.01 and bern[0].data.num_clients == 100
+    fig2 = {s.cfg.sampling.cohort_size for s in expand(load_preset("fig2"))}
+    assert fig2 == {15, 32} and {s.cfg.sampling.cohort_size for s in expand(load_preset("fig2", "full"))} == {500, 1020}
+
+
+def test_centralized_variant_and_shared_runs() -> None:
+    specs = expand(load_preset("table1"))
+    central = [s for s in specs if s.label == "centralized"]
+    assert len(central) == 2 * 3 and all(s.reference and set(s.point) == {"dataset"} for s in central)
+    c = central[0].cfg
+    assert (c.data.partition, c.data.num_clients, c.sampling.cohort_size, c.algorithm["name"]) == (
+        "iid",
+        1,
+        1,
+        "fedavg",
+    )
+    fl = next(s.cfg for s in specs if s.label == "fedavg" and s.point["dataset"] == central[0].point["dataset"])
+    assert (c.rounds, c.clients.local_steps, c.model.name) == (fl.rounds, fl.clients.local_steps, fl.model.name)
+    # identical configs get identical directories: table2 is table1's q = 0.3 column
+    assert {s.name for s in expand(load_preset("table2"))} <= {s.name for s in specs}
+    shared = {s.name for s in expand(load_preset("fig3"))} & {s.name for s in specs}
+    assert shared and all(n.startswith("hafedho-cifar10-") for n in shared)  # mu = 0.01, phi, q = 0.3
+
+
+def test_overrides_replace_axes_or_apply_to_all() -> None:
+    preset = load_preset("table1")
+    specs = expand(preset, seeds=1, overrides=["dataset=cifar10", 'algorithm.name=["hafedho", "fedavg"]', "rounds=2"])
+    assert {(s.label, s.point.get("dataset")) for s in specs} == {
+        ("hafedho", "cifar10"),
+        ("fedavg", "cifar10"),
+        ("centralized", "cifar10"),
+    }
+    assert len(specs) == 2 * 3 + 1 and all(s.cfg.rounds == 2 for s in specs)
+    assert all(s.name.endswith("-s0") for s in specs)
+
+
+def test_preset_errors_are_one_line(tmp_path: Path) -> None:
+    typo = tiny(tmp_path, extra="[scale.cpu.base.data]\nqq = 1\n")
+    with pytest.raises(ConfigError, match=r"^tiny \[algorithm.name=hafedho\]: data.qq: unknown key"):
+        expand(load_preset(str(typo)))
+    bad = tiny(tmp_path, grid='dataset = ["x"]')
+    with pytest.raises(ConfigError, match="neither a config key nor a named axis"):
+        expand(load_preset(str(bad)))
+    with pytest.raises(ConfigError, match=r"^tiny \[algorithm.hafedho.mu=-1.0\]: algorithm.mu=-1.0: must be >= 0"):
+        expand(load_preset(str(tiny(tmp_path, grid='"algorithm.hafedho.mu" = [0.01, -1.0]'))))
+    with pytest.raises(ConfigError, match="unknown preset 'nope'"):
+        load_preset("nope")
+    with pytest.raises(ConfigError, match="not an axis of"):
+        expand(load_preset(str(tiny(tmp_path, extra='[scale.cpu.grid]\n"data.q" = [0.1]\n'))))
+
+
+def _hand_diverged(spec) -> None:
+    spec.run_dir.mkdir(parents=True)
+    (spec.run_dir / "config.toml").write_text(dump_toml(spec.cfg.to_dict()))
+    (spec.run_dir / "diverged").write_text("run diverged at round 2: train/loss is nan\n")
+
+
+def test_sweep_skips_done_resumes_interrupted_keeps_diverged(tmp_path: Path) -> None:
+    preset = load_preset(str(tiny(tmp_path)))
+    specs = expand(preset)
+    h0, h1, f0, f1 = specs
+    assert [s.label for s in specs] == ["hafedho", "hafedho", "fedavg", "fedavg"]
+    # h1 interrupted after round 2 (checkpoint at 2, no done marker); f0 stopped by divergence earlier
+    assert run_spec(dataclasses.replace(h1.cfg, rounds=2), str(h1.run_dir)).status == "done"
+    (h1.run_dir / "done").unlink()
+    before = read_metrics(h1.run_dir)
+    _hand_diverged(f0)
+    assert [run_status(s.run_dir) for s in specs] == ["new", "interrupted", "diverged", "new"]
+    result = run_sweep(specs, jobs=1, progress=False)
+    status = {o.name: o.status for o in result.outcomes}
+    assert status == {h0.name: "done", h1.name: "done", f0.name: "diverged", f1.name: "done"}
+    after = read_metrics(h1.run_dir)
+    assert after[:2] == before and [r["round"] for r in after] == [1, 2, 3]  # resumed, not restarted
+    assert not (f0.run_dir / "done").exists() and not (f0.run_dir / "metrics.jsonl").exists()  # not retried
+    again = run_sweep(specs, jobs=1, progress=False)
+    assert again.summary() == "3 skipped, 1 diverged" and not again.failed
+    (h0.run_dir / "done").unlink()
+    with _RunLock(h0.run_dir):  # another sweep over the same folder holds this run
+        assert run_spec(h0.cfg, str(h0.run_dir)).status == "busy"
+    index = write_index(preset, specs, preset.out)
+    assert json.loads(index.read_text())["runs"][2] == {
+        "dir": f0.name,
+        "label": "fedavg",
+        "seed": 0,
+        "point": {"algorithm.name": "fedavg"},
+        "reference": False,
+    }
+    md = write_report(preset.out).markdown.read_text()
+    assert "diverged (1/2)" not in md and "| diverged | 1 |" in md
+
+
+def test_sweep_cli_parallel_failures_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two processes; the runs with an unknown model fail at build time, the others finish; exit code 1."""
+    path = tiny(tmp_path, grid='"model.name" = ["logreg", "no_such_model"]')
+    assert main(["sweep", str(path), "--jobs", "2", "--quiet", "rounds=2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("hafedho: failed:") == 2 and "no_such_model" in err
+    index = json.loads((tmp_path / "runs-cpu" / "sweeps" / "tiny.json").read_text())
+    assert len(index["runs"]) == 4 and len(index["failed"]) == 2
+    done = [r for r in index["runs"] if (tmp_path / "runs-cpu" / r["dir"] / "done").exists()]
+    assert len(done) == 2 and all(r["point"] == {"model.name": "logreg"} for r in done)
+    assert main(["sweep", str(path), "--dry-run", "rounds=2", "model.name=logreg"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("done ") == 2 and "2 runs of tiny (cpu)" in out
+    assert main(["sweep", "list"]) == 0 and "table1" in capsys.readouterr().out
+    assert main(["sweep", "nope"]) == 2
+
+
+def _smoke_specs(name: str, overrides: list[str]) -> list:
+    """A preset's first grid point, and its first variant point, seed 0."""
+    specs = expand(load_preset(name), seeds=1, overrides=overrides)
+    first = [specs[0]]
+    first += [s for s in specs if s.label != specs[0].label and s.reference][:1]
+    return first
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_cpu_preset_runs_two_rounds(name: str, shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.getbasetemp() / "smoke"
+    overrides = ["rounds=2", "eval_every=2", "checkpoint_every=2"]
+    specs = [
+        dataclasses.replace(s, cfg=dataclasses.replace(s.cfg, out=str(out))) for s in _smoke_specs(name, overrides)
+    ]
+    result = run_sweep(specs, progress=False)
+    assert not result.failed, result.failed
+    for s in specs:
+        rows = read_metrics(s.run_dir)
+        assert [r["round"] for r in rows] == [1, 2] and "test/acc" in rows[-1] and run_status(s.run_dir) == "done"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PAPER)
+def test_cpu_preset_full_grid_two_rounds(name: str, shared_data: Path, tmp_path: Path) -> None:
+    """Every point of every CPU preset (one seed) for two rounds: no run fails, report covers every run."""
+    specs = expand(
+        load_preset(name), seeds=1, overrides=["rounds=2", "eval_every=2", "checkpoint_every=2"], out=str(tmp_path)
+    )
+    result = run_sweep(specs, jobs=2, progress=False)
+    assert not result.failed, [(o.name, o.message) for o in result.failed]
+    write_index(load_preset(name), specs, tmp_path)
+    assert write_report(tmp_path).html.stat().st_size > 10_000
