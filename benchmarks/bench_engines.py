@@ -209,6 +209,51 @@ def serve(workload: str, engine_name: str, algorithm: str, warm_clients: int) ->
     print(json.dumps(mem), file=out, flush=True)
 
 
+def step_times(workload: str, algorithm: str, tries: int = 30) -> dict[str, float]:
+    """Per-step milliseconds of one real client's local training, best of ``tries`` interleaved runs.
+
+    The best of many short interleaved runs is close to what an idle machine gives, even on a busy one: it is
+    the figure to project from when the round medians above are distorted by other jobs.
+    """
+    exp = experiment(workload, algorithm)
+    alg, fed, model, plan, seed = exp.alg, exp.fed, exp.model, exp.plan, exp.cfg.seed
+    from hafedho.sim.process import _linux_worker_setup, worker_model
+
+    _linux_worker_setup()  # as in a worker (it also helps the usual loop: both allocate per step)
+    cid = int(exp.cohort(2)[0])
+    data, info = fed.client_data(seed, 2, cid, plan), fed.client_info(cid)
+    rnd = RoundInfo(2, fed.num_clients, 1)
+    msg = alg.broadcast(alg.init_server(model.params()), rnd)
+    state = alg.init_client(model.params())
+    usual = UsualLoop(exp)
+    cohort = np.array([cid])
+    cl = worker_model(model, None)
+    model.train()
+    cl.train()
+    cores = available_cores()
+    variants = {
+        f"usual loop, {cores} threads": (lambda: usual(cohort), cores),
+        "usual loop, 1 thread": (lambda: usual(cohort), 1),
+        f"hafedho client update (`loop`), {cores} threads": (
+            lambda: alg.client_update(msg, state, data, info, rnd, model),
+            cores,
+        ),
+        "hafedho client update as a `process` worker runs it, 1 thread": (
+            lambda: alg.client_update(msg, state, data, info, rnd, cl),
+            1,
+        ),
+    }
+    best = dict.fromkeys(variants, float("inf"))
+    for i in range(tries + 1):
+        for name, (fn, threads) in variants.items():
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            fn()
+            if i:  # the first pass warms up
+                best[name] = min(best[name], (time.perf_counter() - t0) / plan.local_steps * 1e3)
+    return best
+
+
 def matmul_peak(threads: int, n: int = 4096, tries: int = 7, device: str = "cpu") -> float:
     """Best-of-``tries`` fp32 GFLOP/s of an n x n torch.mm with ``threads`` threads (TF32 off on a GPU)."""
     torch.set_num_threads(threads)
@@ -294,6 +339,25 @@ def hardware() -> str:
     )
 
 
+def step_table(info: dict, steps: dict[str, float]) -> str:
+    """Best-of-30 per-step times and the round times they project (process: one worker per core)."""
+    cores = available_cores()
+    total = info["clients"] * info["steps"]
+    rows = []
+    base = None
+    for name, ms in steps.items():
+        per_round = total * ms / 1e3 / (cores if "`process`" in name else 1)
+        base = base or per_round  # the first variant is the usual loop on all cores
+        rows.append(f"| {name} | {ms:.1f} | {per_round:.2f} | {base / per_round:.2f}x |")
+    return (
+        "\nPer local step, best of 30 interleaved runs of one client (close to an idle machine's figure even on a "
+        "busy one), and the round time it projects (`process`: one worker per core, no dispatch cost):\n\n"
+        "| variant | ms / step | projected s / round | projected speedup |\n|---|---:|---:|---:|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+
+
 def table(workload: str, algorithm: str, info: dict, results: dict[str, dict], peak: float, gpu_peak: float) -> str:
     """One workload's markdown table; engines that run on a GPU (usual, vmap) are held against its peak."""
     base = statistics.median(results["usual"]["seconds"]) if "usual" in results else None
@@ -335,9 +399,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(DOC), help="markdown file to write ('' = only print)")
     ap.add_argument("--serve", nargs=2, metavar=("WORKLOAD", "ENGINE"), help=argparse.SUPPRESS)
     ap.add_argument("--warm", type=int, default=4, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", metavar="WORKLOAD", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         serve(args.serve[0], args.serve[1], args.algorithms, args.warm)
+        return
+    if args.steps:
+        out, sys.stdout = sys.stdout, sys.stderr  # dataset loaders may print: keep stdout for the result
+        print(json.dumps(step_times(args.steps, args.algorithms.split(",")[0])), file=out)
         return
     cores = available_cores()
     load0 = os.getloadavg()
@@ -346,10 +415,13 @@ def main() -> None:
     for workload in args.workloads.split(","):
         for algorithm in args.algorithms.split(","):
             engines = args.engines.split(",")
-            measured.append((workload, algorithm, *measure(workload, algorithm, engines, args.reps, args.budget)))
+            info, results = measure(workload, algorithm, engines, args.reps, args.budget)
+            cmd = [sys.executable, __file__, "--steps", workload, "--algorithms", algorithm]
+            steps = {} if torch.cuda.is_available() else json.loads(subprocess.check_output(cmd, text=True))
+            measured.append((workload, algorithm, info, results, steps))
     peak = max(peak, matmul_peak(cores))  # again at the end: the best the machine showed
     gpu_peak = matmul_peak(cores, device="cuda") if torch.cuda.is_available() else 0.0
-    sections = [table(*m, peak, gpu_peak) for m in measured]
+    sections = [table(*m[:4], peak, gpu_peak) + (step_table(m[2], m[4]) if m[4] else "") for m in measured]
     load1 = os.getloadavg()
     cmd = "python benchmarks/bench_engines.py " + " ".join(sys.argv[1:])
     doc = DOC_TEMPLATE.format(
