@@ -320,6 +320,12 @@ class ProcessEngine:
                 try:
                     out = loads(ready.recv_bytes())
                 except (EOFError, OSError):
+                    # The pipe can report EOF before the process sentinel fires: reap the worker for its code.
+                    p = pool.procs[index[ready]]
+                    p.join(timeout=5)
+                    if p.exitcode is not None:
+                        msg = f"worker process {p.name} died (exit code {p.exitcode}) in round {rnd.round}"
+                        raise WorkerError(msg) from None
                     raise WorkerError(f"lost the connection to a worker process in round {rnd.round}") from None
                 if out[0] == "error":
                     raise WorkerError(f"round {rnd.round}, {out[2]}")
