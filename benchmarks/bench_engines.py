@@ -86,12 +86,12 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def experiment(workload: str, algorithm: str) -> Any:
+def experiment(workload: str, algorithm: str, *more: str) -> Any:
     spec = WORKLOADS[workload]
     extra = spec["gpu_overrides"] if torch.cuda.is_available() else []
     cfg = load_config(
         CONFIG_DIR / "smoke.toml",
-        [*spec["overrides"], *extra, f"algorithm.name='{algorithm}'", "algorithm.lr=0.05"],
+        [*spec["overrides"], *extra, f"algorithm.name='{algorithm}'", "algorithm.lr=0.05", *more],
     )
     return build(cfg)
 
@@ -215,7 +215,7 @@ def step_times(workload: str, algorithm: str, tries: int = 30) -> dict[str, floa
     The best of many short interleaved runs is close to what an idle machine gives, even on a busy one: it is
     the figure to project from when the round medians above are distorted by other jobs.
     """
-    exp = experiment(workload, algorithm)
+    exp = experiment(workload, algorithm, "clients.local_steps=10")  # 10 steps per try: a step's cost is the same
     alg, fed, model, plan, seed = exp.alg, exp.fed, exp.model, exp.plan, exp.cfg.seed
     from hafedho.sim.process import _linux_worker_setup, worker_model
 
@@ -349,12 +349,22 @@ def step_table(info: dict, steps: dict[str, float]) -> str:
         per_round = total * ms / 1e3 / (cores if "`process`" in name else 1)
         base = base or per_round  # the first variant is the usual loop on all cores
         rows.append(f"| {name} | {ms:.1f} | {per_round:.2f} | {base / per_round:.2f}x |")
+    usual_all, usual_one = list(steps.values())[:2]  # the usual loop on all cores, then on one thread
+    ceiling = (
+        f"\nThe usual loop gains {usual_one / usual_all:.2f}x from {cores} threads, so an engine that runs one client "
+        f"per core, each step as fast as the usual loop's one-thread step, beats it by at most {cores} x "
+        f"{usual_all:.1f} / {usual_one:.1f} = **{cores * usual_all / usual_one:.2f}x** on this machine; beyond that "
+        "only a cheaper step (here: channels-last convolutions) helps.\n"
+        if cores > 1
+        else ""
+    )
     return (
         "\nPer local step, best of 30 interleaved runs of one client (close to an idle machine's figure even on a "
         "busy one), and the round time it projects (`process`: one worker per core, no dispatch cost):\n\n"
         "| variant | ms / step | projected s / round | projected speedup |\n|---|---:|---:|---:|\n"
         + "\n".join(rows)
         + "\n"
+        + ceiling
     )
 
 
@@ -433,8 +443,9 @@ def main() -> None:
         gpu_note=(
             "Here `usual` and `vmap` ran on the GPU (their % is of the GPU's peak); `loop` and `process` on the CPU."
             if gpu_peak
-            else "No GPU was available for this run, so there is no GPU figure; the GPU path of `vmap` is the same\n"
-            "  code with each chunk moved to the device, covered on the CPU by `tests/test_engines.py`."
+            else "No GPU was available for this run, so there is no GPU figure; the GPU path of\n"
+            "  `vmap` is the same code with each chunk moved to the device, covered on the CPU by\n"
+            "  `tests/test_engines.py`."
         ),
         load=f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end",
         reps=args.reps,

@@ -94,7 +94,7 @@ def local_train(objective: Objective, params: Params, data: ClientData, transfor
         g, (phi, f) = grad_fn(w, data.x[s], data.y[s], data.mask[s])
         active = (data.mask[s].sum() > 0).to(dtype)  # 0 for an all-padding step: the step is a no-op
         updates, new_state = transform.update(g, opt_state, w)
-        w = {k: w[k] + active * updates[k] for k in w}
+        w = tree.axpy(active, updates, w)
         opt_state = tree.where(active > 0, new_state, opt_state)
         g_sum = tree.axpy(active, g, g_sum)
         steps = steps + active

@@ -28,8 +28,10 @@ def scale(a: Params, s: float | Tensor) -> Params:
 
 
 def axpy(s: float | Tensor, x: Params, y: Params) -> Params:
-    """``s * x + y``."""
-    return {k: s * x[k] + y[k] for k in x}
+    """``s * x + y``, one fused pass per leaf (local training does this twice per step on every parameter)."""
+    if isinstance(s, Tensor):
+        return {k: torch.addcmul(y[k], s, x[k]) for k in x}
+    return {k: torch.add(y[k], x[k], alpha=s) for k in x}
 
 
 def zeros_like(a: Params) -> Params:
