@@ -46,7 +46,7 @@ from hafedho.config import CONFIG_DIR, load_config
 from hafedho.core import RoundInfo
 from hafedho.experiment import build
 from hafedho.models import count_flops
-from hafedho.sim.engines import available_cores, make_engine
+from hafedho.sim.engines import RoundWork, available_cores, make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -175,7 +175,7 @@ def serve(workload: str, engine_name: str, algorithm: str, warm_clients: int) ->
             examples = usual(cohort)
         else:
             rnd = RoundInfo(t, fed.num_clients, len(cohort))
-            res = engine(alg, alg.broadcast(server, rnd), cohort, store, fed, plan, model, rnd, seed)
+            res = engine(RoundWork(alg, alg.broadcast(server, rnd), fed, plan, model, rnd, seed), cohort, store)
             server, _ = alg.server_update(server, res.aggregate, rnd)
             examples = real_examples(exp, cohort)
         return time.perf_counter() - t0, examples, time.process_time() - cpu0

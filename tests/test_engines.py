@@ -22,7 +22,7 @@ from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.experiment import build
 from hafedho.models import build_model
 from hafedho.sim import engines
-from hafedho.sim.engines import AutoEngine, LoopEngine, auto_choice, loop_engine, make_engine
+from hafedho.sim.engines import AutoEngine, LoopEngine, RoundWork, auto_choice, loop_engine, make_engine
 from hafedho.sim.process import ProcessEngine, WorkerError, dumps, loads
 from hafedho.sim.runner import Divergence, run
 from hafedho.sim.store import ClientStore
@@ -126,7 +126,7 @@ def run_rounds(engine: Any, alg: Any, fed: FederatedData, model: FunctionalModel
     for t in range(1, rounds + 1):
         cohort = np.arange(fed.num_clients)
         rnd = RoundInfo(t, fed.num_clients, len(cohort))
-        out = engine(alg, alg.broadcast(server, rnd), cohort, store, fed, plan, model, rnd, 7)
+        out = engine(RoundWork(alg, alg.broadcast(server, rnd), fed, plan, model, rnd, 7), cohort, store)
         server, _ = alg.server_update(server, out.aggregate, rnd)
     return server, store, out
 
@@ -169,7 +169,7 @@ def test_empty_cohort_gives_no_aggregate() -> None:
     msg = alg.broadcast(alg.init_server(model.params()), rnd)
     for eng in (LoopEngine(), ProcessEngine(workers=2), VmapEngine(device="cpu")):
         with eng:
-            out = eng(alg, msg, np.array([], dtype=np.int64), store, fed, BatchPlan(2, 4), model, rnd, 0)
+            out = eng(RoundWork(alg, msg, fed, BatchPlan(2, 4), model, rnd, 0), np.array([], dtype=np.int64), store)
         assert out.aggregate is None and out.metrics == {} and out.bytes_up == 0
     assert not mp.active_children()
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
+from hafedho.core import ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.sim.seeds import seed_for
 from hafedho.sim.store import ClientStore
@@ -58,23 +58,32 @@ class CohortStream:
         return CohortResult(self.agg.result(self.like), {k: v / n for k, v in self.sums.items()}, self.bytes_up)
 
 
-def loop_engine(
-    alg: FedAlgorithm,
-    msg: Any,
-    cohort: np.ndarray,
-    store: ClientStore,
-    fed: FederatedData,
-    plan: BatchPlan,
-    model: FunctionalModel,
-    rnd: RoundInfo,
-    seed: int,
-) -> CohortResult:
-    stream = CohortStream(alg, len(cohort))
-    model.train()
+@dataclass(frozen=True)
+class RoundWork:
+    """What every client of one round needs: the algorithm and its broadcast, the data, the model, the round."""
+
+    alg: FedAlgorithm
+    msg: Any
+    fed: FederatedData
+    plan: BatchPlan
+    model: FunctionalModel
+    rnd: RoundInfo
+    seed: int
+
+    def client_update(self, cid: int, state: Any) -> ClientResult:
+        """Client ``cid``'s update from ``state``, seeded as every engine seeds it (dropout pure in (seed, t, i))."""
+        torch.manual_seed(seed_for(self.seed, "client_torch", self.rnd.round, cid))
+        data = self.fed.client_data(self.seed, self.rnd.round, cid, self.plan)
+        info = self.fed.client_info(cid)
+        return self.alg.client_update(self.msg, state, data, info, self.rnd, self.model)
+
+
+def loop_engine(work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
+    """The reference engine: one client after another, states gathered from and scattered to ``store``."""
+    stream = CohortStream(work.alg, len(cohort))
+    work.model.train()
     for cid in cohort.tolist():
-        torch.manual_seed(seed_for(seed, "client_torch", rnd.round, cid))  # dropout: pure in (seed, t, i)
-        data = fed.client_data(seed, rnd.round, cid, plan)
-        res = alg.client_update(msg, store.gather(cid), data, fed.client_info(cid), rnd, model)
+        res = work.client_update(cid, store.gather(cid))
         stream.add(res.upload, res.weight, res.metrics)
         store.scatter(cid, res.state)
     return stream.result()
@@ -85,18 +94,7 @@ class Engine(Protocol):
 
     name: str
 
-    def __call__(
-        self,
-        alg: FedAlgorithm,
-        msg: Any,
-        cohort: np.ndarray,
-        store: ClientStore,
-        fed: FederatedData,
-        plan: BatchPlan,
-        model: FunctionalModel,
-        rnd: RoundInfo,
-        seed: int,
-    ) -> CohortResult: ...
+    def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult: ...
 
     def close(self) -> None: ...
 
@@ -106,8 +104,8 @@ class LoopEngine:
 
     name = "loop"
 
-    def __call__(self, *args: Any) -> CohortResult:
-        return loop_engine(*args)
+    def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
+        return loop_engine(work, cohort, store)
 
     def close(self) -> None:
         pass
@@ -146,13 +144,12 @@ class AutoEngine:
         self.inner: Engine | None = None
         self.name = "auto"
 
-    def __call__(self, alg: FedAlgorithm, msg: Any, cohort: np.ndarray, *rest: Any) -> CohortResult:
+    def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
         if self.inner is None:
-            model = rest[3]
-            choice = auto_choice(model)
+            choice = auto_choice(work.model)
             self.inner = make_engine(choice, **self.options)
             self.name = f"auto:{choice}"
-        return self.inner(alg, msg, cohort, *rest)
+        return self.inner(work, cohort, store)
 
     def close(self) -> None:
         if self.inner is not None:

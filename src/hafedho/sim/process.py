@@ -40,9 +40,8 @@ from torch.func import functional_call
 
 from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.tree import Params
-from hafedho.data.federated import BatchPlan, FederatedData
-from hafedho.sim.engines import CohortResult, CohortStream, available_cores
-from hafedho.sim.seeds import seed_for
+from hafedho.data.federated import FederatedData
+from hafedho.sim.engines import CohortResult, CohortStream, RoundWork, available_cores
 from hafedho.sim.store import ClientStore
 
 IN_FLIGHT = 2  # clients queued per worker, so a worker never waits for the parent between clients
@@ -155,19 +154,16 @@ def _worker(conn: Connection, alg: FedAlgorithm, fed: FederatedData, model: Func
     model.train()
     jobs: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_reader, args=(conn, jobs), daemon=True).start()
-    msg: Any = None
-    rnd: RoundInfo | None = None
-    seed, plan = 0, None
+    work: RoundWork | None = None
     while (job := jobs.get()) is not None:
         if job[0] == "round":
             _, msg, rnd, seed, plan = job
+            work = RoundWork(alg, msg, fed, plan, model, rnd, seed)
             continue
         _, pos, cid, state = job
         try:
-            assert rnd is not None and plan is not None
-            torch.manual_seed(seed_for(seed, "client_torch", rnd.round, cid))  # as loop: dropout pure in (seed, t, i)
-            data = fed.client_data(seed, rnd.round, cid, plan)
-            res = alg.client_update(msg, state, data, fed.client_info(cid), rnd, model)
+            assert work is not None
+            res = work.client_update(cid, state)
             metrics = {k: float(v) for k, v in res.metrics.items()}
             out = ("ok", pos, tree.detach(res.upload), res.weight.detach(), tree.detach(res.state), metrics)
         except Exception:
@@ -258,28 +254,17 @@ class ProcessEngine:
             self._key = key
         return self._pool
 
-    def __call__(
-        self,
-        alg: FedAlgorithm,
-        msg: Any,
-        cohort: np.ndarray,
-        store: ClientStore,
-        fed: FederatedData,
-        plan: BatchPlan,
-        model: FunctionalModel,
-        rnd: RoundInfo,
-        seed: int,
-    ) -> CohortResult:
-        stream = CohortStream(alg, len(cohort))
+    def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
+        stream = CohortStream(work.alg, len(cohort))
         if len(cohort) == 0:
             return stream.result()
-        pool = self._ensure_pool(alg, fed, model)
+        pool = self._ensure_pool(work.alg, work.fed, work.model)
         threads = torch.get_num_threads()
         # While workers hold every core the parent only aggregates: with more threads its elementwise float64
         # sums spin on barriers, taking CPU from the workers (measured: 4x the parent's CPU time).
         torch.set_num_threads(1)
         try:
-            self._round(pool, stream, cohort.tolist(), store, ("round", msg, rnd, seed, plan))
+            self._round(pool, stream, cohort.tolist(), store, ("round", work.msg, work.rnd, work.seed, work.plan))
             return stream.result()
         except BaseException:
             self.close(graceful=False)  # workers may still hold this round's clients: never reuse them

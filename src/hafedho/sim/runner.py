@@ -27,7 +27,7 @@ from hafedho.results import (
     write_json,
 )
 from hafedho.sim import checkpoint
-from hafedho.sim.engines import Engine, make_engine
+from hafedho.sim.engines import Engine, RoundWork, make_engine
 from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.sim.store import ClientStore
 
@@ -164,7 +164,7 @@ def _run(exp: Experiment, run_dir: Path | str, resume: bool, force: bool, progre
         cohort = exp.cohort(t)
         rnd = RoundInfo(t, fed.num_clients, len(cohort))
         msg = alg.broadcast(server, rnd)
-        out = engine(alg, msg, cohort, store, fed, plan, model, rnd, cfg.seed)
+        out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
         server, server_metrics = alg.server_update(server, out.aggregate, rnd)
         row: dict[str, Any] = {"round": t, "cohort_size": len(cohort), **out.metrics, **server_metrics}
         bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]

@@ -22,9 +22,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hafedho.core import ClientData, FedAlgorithm, FunctionalModel, RoundInfo
-from hafedho.data.federated import BatchPlan, FederatedData
-from hafedho.sim.engines import CohortResult, CohortStream, has_batchnorm
+from hafedho.core import ClientData, FunctionalModel
+from hafedho.sim.engines import CohortResult, CohortStream, RoundWork, has_batchnorm
 from hafedho.sim.seeds import seed_for
 from hafedho.sim.store import ClientStore
 
@@ -99,26 +98,16 @@ class VmapEngine:
             self._model = (id(model), moved)
         return self._model[1]
 
-    def __call__(
-        self,
-        alg: FedAlgorithm,
-        msg: Any,
-        cohort: np.ndarray,
-        store: ClientStore,
-        fed: FederatedData,
-        plan: BatchPlan,
-        model: FunctionalModel,
-        rnd: RoundInfo,
-        seed: int,
-    ) -> CohortResult:
+    def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
+        alg, fed, plan, rnd, seed = work.alg, work.fed, work.plan, work.rnd, work.seed
         stream = CohortStream(alg, len(cohort))
         cids = cohort.tolist()
         if not cids:
             return stream.result()
         dev = self.device
-        dmodel = self.device_model(model)
+        dmodel = self.device_model(work.model)
         dmodel.train()
-        dmsg = to_device(msg, dev)
+        dmsg = to_device(work.msg, dev)
         # msg, rnd and model are shared; state, data and info carry the client dimension
         fn = torch.func.vmap(alg.client_update, in_dims=(None, 0, 0, 0, None, None), randomness="different")
         size = self.chunk or len(cids)
