@@ -25,7 +25,7 @@ from hafedho.sweep import (
     write_index,
 )
 
-PAPER = ["fig2", "fig3", "hetero", "table1", "table2", "table3", "tune"]
+PAPER = ["fig2", "fig3", "hetero", "synthetic", "table1", "table2", "table3", "tune"]
 
 TINY = """
 seeds = 2
@@ -86,7 +86,7 @@ def test_every_preset_expands_to_valid_configs(name: str, scale: str) -> None:
         alg = s.cfg.algorithm
         assert not [k for k, v in alg.items() if isinstance(v, dict) and k != alg["name"]]  # pruned tables
     if scale == "cpu":
-        assert all(s.cfg.engine == "loop" and s.cfg.data.source in ("femnist", "cifar10") for s in specs)
+        assert all(s.cfg.engine == "loop" and s.cfg.data.source in ("femnist", "cifar10", "synthetic") for s in specs)
         assert {s.cfg.data.path for s in specs} == {None}  # the copies in ../shared/data
 
 

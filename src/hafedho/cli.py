@@ -158,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=cmd_report)
     sw = sub.add_parser("sweep", help="run a preset's grid x seeds (skips done runs, resumes interrupted ones)")
     sw.add_argument(
-        "preset", help="a packaged preset (table1, table2, table3, fig2, fig3, hetero, tune), a .toml file, or 'list'"
+        "preset", help="a packaged preset (table1, ..., synthetic, tune; see `sweep list`), a .toml file, or 'list'"
     )
     sw.add_argument(
         "overrides",
