@@ -14,7 +14,7 @@ from hafedho.cli import main
 from hafedho.config import dump_toml
 from hafedho.report.build import write_report
 from hafedho.report.runs import Stat, final_value, load_sections, rounds_to
-from hafedho.report.tables import Layout, rounds_tables, section_tables
+from hafedho.report.tables import Layout, pct, rounds_tables, section_tables
 
 
 def make_run(
@@ -227,3 +227,8 @@ def test_report_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "## T1 (cpu scale)" in out and "## Runs" in out
     assert (tmp_path / "rep" / "t1-cpu_accuracy.png").exists() and (tmp_path / "rep" / "runs_accuracy.png").exists()
     assert main(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_one_seed_shows_no_spread() -> None:
+    assert pct(Stat([0.5], 1)) == "50.00"
+    assert pct(Stat([0.5, 0.7], 2)) == "60.00 ± 14.14"

@@ -97,8 +97,13 @@ def test_scales_and_bundles() -> None:
     assert full["femnist"].data.num_clients == 3400 and full["femnist"].model.name == "femnist_cnn"
     assert full["cifar10"].model.name == "resnet18_gn" and full["cifar10"].sampling.fraction == 0.1
     assert cpu["cifar10"].model.name == "lenet5" and cpu["cifar10"].rounds == 30
-    moon = [s.cfg for s in expand(load_preset("table1")) if s.label == "moon"]
-    assert {c.data.source: c.algorithm["moon"]["mu"] for c in moon} == {"cifar10": 5.0, "femnist": 1.0}
+    full_t1 = expand(load_preset("table1", "full"))
+    moon = {s.cfg.data.source: s.cfg.algorithm["moon"]["mu"] for s in full_t1 if s.label == "moon"}
+    assert moon == {"cifar10": 5.0, "femnist": 1.0, "cifar100": 1.0}  # the paper's values at full scale
+    tuned = {s.cfg.data.source: s.cfg.algorithm for s in expand(load_preset("table1")) if s.label == "hafedho"}
+    assert tuned["femnist"]["hafedho"]["mu"] == 0.05  # the CPU scale's tuned value ...
+    fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3"))}
+    assert fig3 == {0.0001, 0.001, 0.01, 0.05, 0.1}  # ... which a grid axis still overrides
     t3 = expand(load_preset("table3"), seeds=1)
     fixed = [s.cfg for s in t3 if s.point["population"] == "fixed" and s.point["participation"] == 0.002]
     assert fixed[0].data.num_clients == 1000 and fixed[0].sampling.cohort_size == 2 and fixed[0].rounds == 100
@@ -124,7 +129,7 @@ def test_centralized_variant_and_shared_runs() -> None:
     # identical configs get identical directories: table2 is table1's q = 0.3 column
     assert {s.name for s in expand(load_preset("table2"))} <= {s.name for s in specs}
     shared = {s.name for s in expand(load_preset("fig3"))} & {s.name for s in specs}
-    assert shared and all(n.startswith("hafedho-cifar10-") for n in shared)  # mu = 0.01, phi, q = 0.3
+    assert shared and all(n.startswith("hafedho-cifar10-") for n in shared)  # mu = 0.05 (tuned), phi, q = 0.3
 
 
 def test_overrides_replace_axes_or_apply_to_all() -> None:

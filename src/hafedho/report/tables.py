@@ -143,6 +143,8 @@ def display(key: str, value: Any, names: dict[str, str], named: bool) -> str:
 
 
 def pct(stat: Stat, scale: float = 100.0) -> str:
+    if stat.n < 2:  # one seed has no spread to show (a tuning sweep runs one)
+        return f"{stat.mean * scale:.2f}"
     return f"{stat.mean * scale:.2f} ± {stat.std * scale:.2f}"
 
 
