@@ -28,10 +28,12 @@ def scale(a: Params, s: float | Tensor) -> Params:
 
 
 def axpy(s: float | Tensor, x: Params, y: Params) -> Params:
-    """``s * x + y``, one fused pass per leaf (local training does this twice per step on every parameter)."""
+    """``s * x + y``. A tensor ``s`` takes one pass per leaf (``addcmul``): local training does this twice per step on
+    every parameter with s = 0 or 1, where the product is exact. A float ``s`` rounds ``s * x`` first, as any
+    algorithm writing ``w + scale(d, s)`` does, so the two spellings agree bit for bit."""
     if isinstance(s, Tensor):
         return {k: torch.addcmul(y[k], s, x[k]) for k in x}
-    return {k: torch.add(y[k], x[k], alpha=s) for k in x}
+    return {k: s * x[k] + y[k] for k in x}
 
 
 def zeros_like(a: Params) -> Params:
