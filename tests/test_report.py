@@ -219,6 +219,21 @@ def test_hyperparameter_sweep_plot_and_best_table(tmp_path: Path) -> None:
     )
 
 
+def test_hyperparameter_set_per_column_keeps_one_row(tmp_path: Path) -> None:
+    """A value tuned per dataset (FedProx mu 0.01 on one, 0.001 on the other) is one row, named in the note."""
+    runs = []
+    for source, mu, acc in (("digits", 0.01, 0.6), ("synthetic", 0.001, 0.4)):
+        for s in range(2):
+            name = f"p-{source}-s{s}"
+            make_run(tmp_path, name, "fedprox", s, [acc, acc + 0.01 * s], data={"source": source}, hyper={"mu": mu})
+            runs.append({"dir": name, "label": "fedprox", "seed": s, "point": {"dataset": source}})
+    write_index(tmp_path, "t", runs, {"last": 1}, ["dataset", "algorithm.name"])
+    (section,) = load_sections(tmp_path)
+    final = next(t for t in section_tables(section) if t.slug == "final")
+    assert [[c.text for c in r] for r in final.rows] == [["fedprox", "60.50 ± 0.71", "40.50 ± 0.71"]]
+    assert "fedprox mu per column (digits: 0.01; synthetic: 0.001)" in final.note
+
+
 def test_report_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep_fixture(tmp_path)
     make_run(tmp_path / "other", "fedavg-s0", "fedavg", 0, [0.1, 0.2])  # a plain run next to the sweep

@@ -8,7 +8,7 @@ import io
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,7 @@ class Layout:
     columns: list[dict[str, Any]]
     rows: list[tuple[str, tuple[tuple[str, Any], ...]]]
     row_hyper_keys: dict[str, list[str]]
+    column_hyper_keys: dict[str, list[str]] = field(default_factory=dict)  # label -> keys set per column
 
     @classmethod
     def of(cls, section: Section) -> Layout:
@@ -170,18 +171,29 @@ class Layout:
             col = {k: g.setting.get(k) for k in col_keys}
             if col not in columns:
                 columns.append(col)
+        # A hyperparameter splits a label's row only where it varies within one column (fig3's mu); one that
+        # only changes from column to column (a value tuned per dataset) keeps one row and is listed in a note.
         hyper_keys: dict[str, list[str]] = {}
+        per_column: dict[str, list[str]] = {}
         for g in groups:
             same = [h for h in groups if h.label == g.label]
             keys = sorted({k for h in same for k in h.hyper})
-            hyper_keys[g.label] = [k for k in keys if len({json.dumps(h.hyper.get(k)) for h in same}) > 1]
+            varying = [k for k in keys if len({json.dumps(h.hyper.get(k)) for h in same}) > 1]
+            by_col: dict[str, list[Group]] = {}
+            for h in same:
+                by_col.setdefault(json.dumps([h.setting.get(k) for k in col_keys], sort_keys=True), []).append(h)
+            within = [
+                k for k in varying if any(len({json.dumps(h.hyper.get(k)) for h in c}) > 1 for c in by_col.values())
+            ]
+            hyper_keys[g.label] = within
+            per_column[g.label] = [k for k in varying if k not in within]
         rows: list[tuple[str, tuple[tuple[str, Any], ...]]] = []
         for g in groups:
             key = cls.row_key(g, hyper_keys)
             if key not in rows:
                 rows.append(key)
         rows.sort(key=lambda r: any(g.reference for g in groups if g.label == r[0]))  # references last
-        return cls(section, col_keys, columns, rows, hyper_keys)
+        return cls(section, col_keys, columns, rows, hyper_keys, per_column)
 
     @staticmethod
     def row_key(g: Group, hyper_keys: dict[str, list[str]]) -> tuple[str, tuple[tuple[str, Any], ...]]:
@@ -224,6 +236,25 @@ class Layout:
         names = self.section.names()
         parts = [display(k, v, names, k in self.section.named_axes) for k, v in col.items()]
         return ", ".join(parts) or "all runs"
+
+    def column_hyper_note(self) -> str:
+        """``"fedprox mu: femnist 0.01, cifar10 0.001"`` for hyperparameters set per column ('' if none)."""
+        names = self.section.names()
+        parts = []
+        for label, keys in self.column_hyper_keys.items():
+            for k in keys:
+                vals = []
+                for col in self.columns:
+                    found = [g for g in self.section.groups if g.label == label and g.hyper and self._in(g, col)]
+                    if found:
+                        vals.append(f"{self.col_name(col)}: {fmt_value(found[0].hyper.get(k))}")
+                short = display(k, "", names, False).rstrip("=")
+                parts.append(f"{label} {short} per column ({'; '.join(vals)})")
+        return "; ".join(parts)
+
+    @staticmethod
+    def _in(g: Group, col: dict[str, Any]) -> bool:
+        return all(g.setting.get(k) == v for k, v in col.items())
 
     @property
     def seeds(self) -> int:
@@ -290,6 +321,8 @@ def accuracy_tables(lay: Layout) -> list[Table]:
             rows.append(cells)
         rows += _lead_rows(lay, lay.columns, kind)
         note = f"{what}; {final_def}" if kind == "final" else what
+        if hyper_note := lay.column_hyper_note():
+            note += f"; {hyper_note}"
         tables.append(Table(kind, f"{label} {s.metric_label}: {s.title}", header, rows, note))
     return tables
 
