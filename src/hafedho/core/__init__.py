@@ -14,6 +14,7 @@ from hafedho.core.local import (
     plain_objective,
     sgd,
     shift,
+    value_grad,
 )
 from hafedho.core.model import FunctionalModel
 from hafedho.core.tree import Params
@@ -43,4 +44,5 @@ __all__ = [
     "sgd",
     "shift",
     "tree",
+    "value_grad",
 ]

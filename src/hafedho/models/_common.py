@@ -1,4 +1,4 @@
-"""Shape checks shared by the model constructors."""
+"""Shape checks and layers shared by the model constructors."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from numbers import Integral
 
 import torch
+from torch import nn
 
 # What every model's forward returns: logits, or (features z, logits).
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -50,3 +51,18 @@ def check_image(model: str, input_shape: Sequence[int], sizes: Sequence[int] | N
     if not ok:
         raise ValueError(f"model {model!r} cannot take input shape {shape}: it expects {expected}")
     return shape
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` whose mask depends on the seed and the logical shape only, not on the memory layout.
+
+    PyTorch's CPU kernel fills the mask in memory order, so a channels-last input (the process engine's layout)
+    gets other masks from the same seed than a contiguous one (the loop engine's), and the engines would
+    disagree. Uniforms drawn for the logical shape give every engine the same masks.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.rand(x.shape, dtype=x.dtype, device=x.device) >= self.p
+        return x * keep / (1.0 - self.p) if self.p < 1.0 else x * 0.0

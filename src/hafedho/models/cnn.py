@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hafedho.models._common import Output, check_classes, check_image
+from hafedho.models._common import Dropout, Output, check_classes, check_image
 
 
 class FemnistCNN(nn.Module):
@@ -33,9 +33,9 @@ class FemnistCNN(nn.Module):
         self.conv1 = nn.Conv2d(channels, 32, kernel_size=3)
         self.conv2 = nn.Conv2d(32, 64, kernel_size=3)
         self.pool = nn.MaxPool2d(2, stride=2)
-        self.dropout1 = nn.Dropout(0.25)
+        self.dropout1 = Dropout(0.25)
         self.fc1 = nn.Linear(64 * 12 * 12, 128)  # 28 -> 26 -> 24 -> pool -> 12
-        self.dropout2 = nn.Dropout(0.5)
+        self.dropout2 = Dropout(0.5)
         self.fc2 = nn.Linear(128, num_classes)
 
     def forward(self, x: torch.Tensor, return_features: bool = False) -> Output:
