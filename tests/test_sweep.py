@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,7 +89,9 @@ def test_every_preset_expands_to_valid_configs(name: str, scale: str) -> None:
         alg = s.cfg.algorithm
         assert not [k for k, v in alg.items() if isinstance(v, dict) and k != alg["name"]]  # pruned tables
     if scale == "cpu":
-        assert all(s.cfg.engine == "loop" and s.cfg.data.source in ("femnist", "cifar10", "synthetic") for s in specs)
+        # one core per run (the sweep parallelises over runs); the tiny synthetic model runs its cohort as one vmap
+        engine = "vmap" if name == "synthetic" else "loop"
+        assert all(s.cfg.engine == engine and s.cfg.data.source in ("femnist", "cifar10", "synthetic") for s in specs)
         assert {s.cfg.data.path for s in specs} == {None}  # the copies in ../shared/data
 
 
@@ -214,6 +219,42 @@ def test_sweep_cli_parallel_failures_and_dry_run(tmp_path: Path, capsys: pytest.
     assert out.count("done ") == 2 and "2 runs of tiny (cpu)" in out
     assert main(["sweep", "list"]) == 0 and "table1" in capsys.readouterr().out
     assert main(["sweep", "nope"]) == 2
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an orphan's zombie lingers until init reaps it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
+def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
+    """SIGKILL reaches the sweep process only; its busy worker must not go on writing into a run directory."""
+    script = tmp_path / "sweep_like.py"
+    script.write_text(
+        "import multiprocessing, os, time\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from hafedho.sweep import _init_worker\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = multiprocessing.get_context('spawn')\n"
+        "    ex = ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker, initargs=(1, os.getpid()))\n"
+        "    print(ex.submit(os.getpid).result(), flush=True)\n"
+        "    ex.submit(time.sleep, 120)\n"
+        "    time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    worker = int(proc.stdout.readline())
+    assert _running(worker)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(worker)
 
 
 def _smoke_specs(name: str, overrides: list[str]) -> list:

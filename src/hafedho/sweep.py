@@ -38,6 +38,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -402,10 +403,19 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, parent: int) -> None:
     import torch
 
     torch.set_num_threads(threads)  # jobs x threads = cores: no oversubscription
+
+    # SIGTERM or SIGKILL reach the sweep process only; an orphaned worker would go on writing into its run
+    # directory. It exits once its parent is gone instead (the next sweep resumes the run from its checkpoint).
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sweep-parent-watch", daemon=True).start()
 
 
 def run_spec(cfg: Config, run_dir: str) -> Outcome:
@@ -501,7 +511,9 @@ def run_sweep(
         else:
             threads = max(1, available_cores() // jobs)
             ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's torch threads and locks
-            with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads,)) as ex:
+            with ProcessPoolExecutor(
+                jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads, os.getpid())
+            ) as ex:
                 futures = {ex.submit(run_spec, s.cfg, str(s.run_dir)): s for s in todo}
                 try:
                     for fut in as_completed(futures):
