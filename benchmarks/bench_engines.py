@@ -483,14 +483,17 @@ in its own process and the rounds of the engines are interleaved, so load from o
 `nn.Module`, gives bit-identical results on every machine and needs no worker processes. For speed set
 `engine = "auto"`: `vmap` on a GPU, `process` on a multi-core CPU, `loop` on one core. `process` agrees with
 `loop` up to float rounding (also with dropout: each client keeps its torch seed) and gives bit-identical
-results for any `workers`; `vmap` agrees up to float rounding for dropout-free models.
+results for any `workers`; `vmap` agrees up to float rounding for dropout-free models. For tiny models `vmap`
+wins on a CPU too, because per-step Python overhead dominates: a 100-round Synthetic(0.5,0.5) logistic-regression
+run (10 clients x 20 steps per round) takes 20.3 s on `loop` and 10.2 s on `vmap` here, so the `synthetic` preset
+uses it.
 
 ## How to read this
 
 - **usual loop**: per client `copy.deepcopy` + `load_state_dict`, a `DataLoader` over a `TensorDataset`,
   a fresh `torch.optim.SGD`, `loss.backward()`; torch's default intra-op threads (one per core).
 - **`loop`**: hafedho's reference engine: one client after another, `alg.client_update` (functional
-  `local_train` under `torch.func.grad`), default threads.
+  `local_train`, differentiated by autograd; `torch.func.grad` only under `vmap`), default threads.
 - **`process`**: the cohort over one single-threaded worker process per core (forked once per run; data
   inherited, never pickled), channels-last convolutions; uploads added in cohort order (bit-identical for
   any number of workers, equal to `loop` up to float rounding).
