@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,20 @@ def test_report_command(tmp_path: Path) -> None:
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
     assert "| hafedho | 1 |" in (tmp_path / "rep" / "results.md").read_text()
     assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000
+
+
+def test_output_into_a_closed_pipe_is_quiet() -> None:
+    """`hafedho sweep table1 --dry-run | head -1`: once the reader has gone, exit without a traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hafedho", "sweep", "table1", "--dry-run"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 1 and proc.stderr == ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -199,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     from hafedho.sim.runner import Divergence
 
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that left (`| head`) surfaces here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # the reader of our output has gone; no traceback, and no second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Divergence as e:
         print(f"hafedho: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,7 @@
+"""``python -m hafedho``: the same command-line interface as ``hafedho``."""
+
+import sys
+
+from hafedho.cli import main
+
+sys.exit(main())
