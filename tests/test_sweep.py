@@ -14,6 +14,7 @@ import pytest
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
+from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
 from hafedho.results import read_metrics
 from hafedho.sweep import (
@@ -221,15 +222,6 @@ def test_sweep_cli_parallel_failures_and_dry_run(tmp_path: Path, capsys: pytest.
     assert main(["sweep", "nope"]) == 2
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (an orphan's zombie lingers until init reaps it)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "\nState:\tZ" not in status
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
 def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
     """SIGKILL reaches the sweep process only; its busy worker must not go on writing into a run directory."""
@@ -247,14 +239,15 @@ def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    worker = int(proc.stdout.readline())
-    assert _running(worker)
+    pid = int(proc.stdout.readline())
+    worker = next(p for p in descendants(proc.pid) if p[0] == pid)  # (pid, start time): no recycled-pid confusion
+    assert is_running(worker)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 20
-    while _running(worker) and time.monotonic() < deadline:
+    while is_running(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _running(worker)
+    assert not is_running(worker)
 
 
 def _smoke_specs(name: str, overrides: list[str]) -> list:
