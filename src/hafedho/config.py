@@ -17,6 +17,23 @@ from hafedho.core.algorithm import ConfigError, check_value, hp
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
+# Top-level settings that say how, where and how long a run runs, never what it computes: they are not part of a
+# run's identity (extending `rounds` continues a run; engines agree up to float rounding) and never a report axis.
+RUNTIME_KEYS = frozenset(
+    {
+        "rounds",
+        "eval_every",
+        "checkpoint_every",
+        "engine",
+        "workers",
+        "vmap_chunk",
+        "threads",
+        "client_store",
+        "name",
+        "out",
+    }
+)
+
 
 @dataclass
 class DataConfig:
