@@ -210,3 +210,15 @@ def truncate(path: Path) -> Path:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     return path
+
+
+def edit_leaf_json(data_dir: Path, split: str, edit) -> Path:
+    """Apply ``edit(user_data)`` to the first ``split`` JSON of a :func:`make_leaf_dir` tree; returns that file.
+
+    ``json.dumps`` writes float NaN and inf as ``NaN``/``Infinity``, as LEAF's Python writers would.
+    """
+    f = sorted(data_dir.rglob(f"{split}/*.json"))[0]
+    doc = json.loads(f.read_text())
+    edit(doc["user_data"])
+    f.write_text(json.dumps(doc))
+    return f

@@ -1,4 +1,4 @@
-"""Tests for hafedho.data.partition."""
+"""Tests for hafedho.data.partition and the client facts FederatedData derives from a partition."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
+from hafedho.algorithms.fedavg import FedAvg
+from hafedho.core import ClientInfo, FunctionalModel, RoundInfo
+from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.data.partition import (
     PartitionError,
     dirichlet,
@@ -15,6 +19,8 @@ from hafedho.data.partition import (
     natural,
     partition_hash,
 )
+from hafedho.models import build_model
+from hafedho.sim.engines import RoundWork
 
 NUM_CLASSES = 10
 
@@ -149,3 +155,51 @@ def test_partition_hash_stable_and_sensitive() -> None:
     moved = [np.array([0, 2]), np.array([1, 3, 4])]  # one index moved
     assert partition_hash(moved) != h
     assert partition_hash(parts[::-1]) != h  # client order matters
+
+
+# ----------------------------------------------------------------------------- FederatedData.client_info
+
+
+def _fed(sizes: list[int], **kw: object) -> FederatedData:
+    x = np.random.default_rng(0).random((sum(sizes), 5)).astype(np.float32)
+    y = np.arange(sum(sizes)) % 3
+    parts = np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1])
+    return FederatedData(x, y, x[:4], y[:4], parts, **kw)  # type: ignore[arg-type]
+
+
+SIZES = [3, 7, 11]  # p_i = 3/21, 7/21, 11/21: not exact in binary, so float32 and float64 roundings differ
+
+
+def test_client_info_is_built_in_the_requested_dtype() -> None:
+    fed32, fed64 = _fed(SIZES), _fed(SIZES, dtype=torch.float64)
+    for cid, n in enumerate(SIZES):
+        p32, p64 = fed32.client_info(cid), fed64.client_info(cid)
+        assert p32.weight.dtype == p32.num_examples.dtype == torch.float32  # the CLI pipeline: unchanged
+        assert p32.weight.item() == float(np.float32(n / 21))
+        assert p64.weight.dtype == p64.num_examples.dtype == torch.float64
+        assert p64.weight.item() == n / 21 and p64.num_examples.item() == n  # exactly, in float64
+        assert p64.weight.item() != p32.weight.item()
+        assert fed32.client_info(cid, dtype=torch.float64).weight.item() == n / 21
+
+
+def test_float64_model_gets_float64_p_i_and_inputs_through_round_work() -> None:
+    seen: list[tuple[ClientInfo, torch.dtype]] = []
+
+    class Spy(FedAvg):
+        def client_update(self, msg, state, data, info, rnd, model):  # type: ignore[override]
+            seen.append((info, data.x.dtype))
+            return super().client_update(msg, state, data, info, rnd, model)
+
+    fed = _fed(SIZES, mean=(0.5,), std=(0.25,), dtype=torch.float64)
+    torch.manual_seed(0)
+    model = FunctionalModel(build_model("logreg", fed.input_shape, 3).double())
+    alg, rnd = Spy(), RoundInfo(1, fed.num_clients, fed.num_clients)
+    msg = alg.broadcast(alg.init_server(model.params()), rnd)
+    work = RoundWork(alg, msg, fed, BatchPlan(local_steps=2, batch_size=4), model, rnd, 0)
+    for cid in range(fed.num_clients):
+        res = work.client_update(cid, None)
+        assert all(v.dtype == torch.float64 for v in res.upload.delta.values())
+    for (info, x_dtype), n in zip(seen, SIZES, strict=True):
+        assert info.weight.dtype == torch.float64 and info.weight.item() == n / 21 and x_dtype == torch.float64
+    raw = fed.x_train[:4].double()
+    torch.testing.assert_close(fed.preprocess(fed.x_train[:4]), (raw - 0.5) / 0.25, rtol=0, atol=0)

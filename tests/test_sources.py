@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from fixtures_data import (
+    edit_leaf_json,
     expected_folder_arrays,
     folder_images,
     leaf_expected,
@@ -25,8 +27,10 @@ from fixtures_data import (
 )
 
 from hafedho.data import images
+from hafedho.data.federated import FederatedData
 from hafedho.data.safe_pickle import safe_load
 from hafedho.data.sources import SOURCES, DataError, Dataset, load_dataset
+from hafedho.models import build_model
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -400,6 +404,190 @@ def test_npz_validation(tmp_path: Path, change: dict, message: str):
     p = _npz(tmp_path / "d.npz", **{**arrays, **change})
     with pytest.raises(DataError, match=message):
         load_dataset("npz", str(p))
+
+
+# ----------------------------------------------------------------------------- npz image layouts
+
+
+def _xy(x: np.ndarray, n_test: int = 2) -> dict[str, np.ndarray]:
+    y = np.arange(len(x)) % 2
+    return {"x_train": x, "y_train": y, "x_test": x[:n_test], "y_test": y[:n_test]}
+
+
+def _forward(d: Dataset, model: str) -> torch.Tensor:
+    """A real zoo model built for the source's input shape, run on preprocessed inputs."""
+    fed = FederatedData(d.x_train, d.y_train, d.x_test, d.y_test, [np.arange(len(d.y_train))], d.mean, d.std)
+    torch.manual_seed(0)
+    return build_model(model, d.input_shape, d.num_classes)(fed.x_test())
+
+
+def test_npz_nhw_images_get_a_channel_axis_for_femnist_cnn(tmp_path: Path):
+    x = np.random.default_rng(0).random((4, 28, 28)).astype(np.float32)  # how MNIST-style arrays are saved
+    d = load_dataset("npz", str(_npz(tmp_path / "m.npz", **_xy(x))))
+    assert d.input_shape == (1, 28, 28) and "[N, H, W] given a channel axis" in d.info
+    np.testing.assert_array_equal(d.x_train, x[:, None])
+    assert _forward(d, "femnist_cnn").shape == (2, 2)
+
+
+def test_npz_nhwc_images_are_transposed_for_cifar_cnn(tmp_path: Path):
+    x = np.random.default_rng(0).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    d = load_dataset("npz", str(_npz(tmp_path / "c.npz", **_xy(x))))
+    assert d.input_shape == (3, 32, 32) and d.x_train.dtype == np.uint8 and "NHWC transposed to NCHW" in d.info
+    np.testing.assert_array_equal(d.x_train, x.transpose(0, 3, 1, 2))
+    np.testing.assert_array_equal(d.x_test, x[:2].transpose(0, 3, 1, 2))
+    assert d.x_train.flags.c_contiguous
+    assert _forward(d, "cifar_cnn").shape == (2, 2)
+    nchw = load_dataset("npz", str(_npz(tmp_path / "n.npz", **_xy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))))))
+    np.testing.assert_array_equal(nchw.x_train, d.x_train)  # NCHW is kept as stored
+
+
+def test_npz_ambiguous_layout_is_refused_unless_stated(tmp_path: Path):
+    x = np.random.default_rng(0).random((4, 3, 32, 3)).astype(np.float32)
+    p = _npz(tmp_path / "a.npz", **_xy(x))
+    with pytest.raises(DataError, match=r"\(4, 3, 32, 3\) reads as .*; say which with data.options.layout='NCHW'"):
+        load_dataset("npz", str(p))
+    assert load_dataset("npz", str(p), layout="NCHW").input_shape == (3, 32, 3)
+    nhwc = load_dataset("npz", str(p), layout="nhwc")
+    assert nhwc.input_shape == (3, 3, 32)
+    np.testing.assert_array_equal(nhwc.x_train, x.transpose(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize(
+    ("x", "layout", "message"),
+    [
+        (np.zeros((4, 5)), "NHWC", r"holds features, not images; drop data.options.layout"),
+        (np.zeros((4, 1, 8, 8)), "CHW", r"layout must be one of auto, NCHW, NHWC, got 'CHW'"),
+    ],
+)
+def test_npz_layout_option_errors(tmp_path: Path, x: np.ndarray, layout: str, message: str):
+    with pytest.raises(DataError, match=message):
+        load_dataset("npz", str(_npz(tmp_path / "d.npz", **_xy(x))), layout=layout)
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e300])  # 1e300: float64 that overflows float32
+def test_npz_non_finite_inputs_are_refused(tmp_path: Path, bad: float):
+    x = np.ones((4, 3))
+    xt = np.ones((2, 3))
+    xt[0, :2] = bad
+    p = _npz(tmp_path / "d.npz", **{**_xy(x), "x_test": xt})
+    with pytest.raises(DataError, match=rf"^npz file {p}: the test split has 2 non-finite \(NaN/inf\) input values"):
+        load_dataset("npz", str(p))
+
+
+def test_leaf_non_finite_pixels_are_refused_naming_the_file(tmp_path: Path):
+    def poison(user_data: dict) -> None:
+        user_data["w0"]["x"][1][:2] = [float("nan"), float("inf")]
+        user_data["w2"]["x"][0][5] = float("nan")
+
+    bad = edit_leaf_json(make_leaf_dir(tmp_path / "leaf"), "train", poison)
+    with pytest.raises(DataError, match=rf"^{bad}: the train split has 3 non-finite \(NaN/inf\) pixel values"):
+        load_dataset("femnist", str(tmp_path / "leaf"))
+    archive = make_tar_gz(tmp_path / "leaf", tmp_path / "leaf.tar.gz")
+    with pytest.raises(DataError, match=rf"{archive}:femnist_leaf/train/{bad.name}: the train split has 3 non-"):
+        load_dataset("femnist", str(archive))
+
+
+def test_tff_h5_non_finite_pixels_are_refused(tmp_path: Path):
+    import h5py
+
+    root = make_tff_h5(tmp_path / "tff")
+    with h5py.File(root / "fed_emnist_test.h5", "r+") as f:
+        f["examples/w9/pixels"][0, 0, 0] = np.nan
+    with pytest.raises(DataError, match=r"fed_emnist_test.h5: client w9: the test split has 1 non-finite"):
+        load_dataset("femnist", str(root))
+
+
+def test_stale_femnist_cache_with_nan_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    make_leaf_dir(tmp_path / "leaf")
+    real = images.cached
+
+    def stale(kind, path, options, build):  # as a cache written before the check existed would be read back
+        arrays, _ = real(kind, path, options, build)
+        arrays["x_test"][0, 0, 0, 0] = np.nan
+        return arrays, True
+
+    monkeypatch.setattr(images, "cached", stale)
+    with pytest.raises(DataError, match=r"^femnist .*leaf: the test split has 1 non-finite"):
+        load_dataset("femnist", str(tmp_path / "leaf"))
+
+
+# ----------------------------------------------------------------------------- labels and empty splits
+
+
+def test_npz_test_only_label_is_refused_unless_classes_are_declared(tmp_path: Path):
+    x = np.zeros((4, 3))
+    arrays = {"x_train": x, "y_train": np.array([0, 1, 1, 0]), "x_test": x[:3], "y_test": np.array([0, 2, 5])}
+    p = _npz(tmp_path / "d.npz", **arrays)
+    with pytest.raises(DataError, match=r"label\(s\) \[2, 5\] appear only in the test split .*num_classes=N"):
+        load_dataset("npz", str(p))  # before: a 6-class model, two classes never trained
+    assert load_dataset("npz", str(p), num_classes=6).num_classes == 6
+    with pytest.raises(DataError, match=r"the test split has label\(s\) \[5\] outside 0\.\.4 \(5 classes\)"):
+        load_dataset("npz", str(p), num_classes=5)
+    with pytest.raises(DataError, match=r"num_classes must be an integer >= 1, got 0"):
+        load_dataset("npz", str(p), num_classes=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"y_test": np.array([0, -2])}, r"y_test has negative labels"),
+        ({"x_test": np.zeros((0, 3)), "y_test": np.zeros(0, np.int64)}, r"x_test has 0 examples"),
+        ({"y_test": np.array([0.5, 1.0])}, r"y_test must be 2 integer labels"),
+    ],
+)
+def test_npz_bad_test_split(tmp_path: Path, change: dict, message: str):
+    arrays = {"x_train": np.zeros((2, 3)), "y_train": np.array([0, 1]), "x_test": np.zeros((2, 3)), "y_test": [0, 1]}
+    with pytest.raises(DataError, match=message):
+        load_dataset("npz", str(_npz(tmp_path / "d.npz", **{**arrays, **change})))
+
+
+@pytest.mark.parametrize(
+    ("label", "message"), [(3.5, r"1 non-integer label\(s\), e\.g\. 3\.5"), (-1, r"label\(s\) \[-1\] outside 0\.\.61")]
+)
+def test_leaf_bad_labels_are_refused(tmp_path: Path, label: float, message: str):
+    def edit(user_data: dict) -> None:
+        user_data["w1"]["y"][0] = label
+
+    bad = edit_leaf_json(make_leaf_dir(tmp_path / "leaf"), "test", edit)
+    with pytest.raises(DataError, match=message) as e:
+        load_dataset("femnist", str(tmp_path / "leaf"), cache=False)
+    assert "test split" in str(e.value) and (bad.name in str(e.value) or str(tmp_path / "leaf") in str(e.value))
+
+
+def test_leaf_whole_float_labels_are_read_as_integers(tmp_path: Path):
+    def edit(user_data: dict) -> None:
+        user_data["w0"]["y"] = [float(v) for v in user_data["w0"]["y"]]
+
+    edit_leaf_json(make_leaf_dir(tmp_path / "leaf"), "train", edit)
+    assert_femnist(load_dataset("femnist", str(tmp_path / "leaf")))
+
+
+def _dataset(**change: object) -> Dataset:
+    x = np.zeros((4, 3), np.float32)
+    base = {"x_train": x, "y_train": np.array([0, 1, 0, 1]), "x_test": x[:2], "y_test": np.array([0, 1])}
+    return Dataset("mine", **{**base, **change}, num_classes=2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"x_test": np.zeros((0, 3), np.float32), "y_test": np.zeros(0, np.int64)}, r"mine: the test split is empty"),
+        ({"y_test": np.array([0, 2])}, r"mine: the test split has label\(s\) \[2\] outside 0\.\.1"),
+        ({"x_train": np.full((4, 3), np.nan, np.float32)}, r"mine: the train split has 12 non-finite"),
+    ],
+)
+def test_dataset_refuses_what_would_give_silently_wrong_results(change: dict, message: str):
+    with pytest.raises(DataError, match=message):
+        _dataset(**change)
+
+
+def test_federated_data_refuses_an_empty_test_set():
+    x, y = np.zeros((4, 3), np.float32), np.array([0, 1, 0, 1])
+    with pytest.raises(DataError, match=r"the test split is empty \(0 examples\)"):
+        FederatedData(x, y, x[:0], y[:0], [np.arange(4)])
 
 
 # ----------------------------------------------------------------------------- the real shared files

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from hafedho.core import ClientData, ClientInfo, ConfigError
+from hafedho.data.safe_pickle import DataError
 from hafedho.sim.seeds import rng_for
 
 
@@ -82,6 +83,9 @@ class FederatedData:
         x_train, y_train, x_test, y_test: arrays as loaded (uint8 images are scaled to [0, 1] at batch time).
         parts: one sorted index array into the train split per client.
         mean, std: per-channel normalisation applied at batch time (None = none).
+        dtype: floating dtype of the model inputs and of each client's ``ClientInfo`` (p_i, n_i), i.e. the
+            model parameters' dtype. None (default): ``torch.get_default_dtype()`` when constructed, float32 in
+            the CLI pipeline. Pass ``torch.float64`` for float64 models under float32 as the default dtype.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class FederatedData:
         mean: tuple[float, ...] | None = None,
         std: tuple[float, ...] | None = None,
         local_test: list[np.ndarray] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.x_train = torch.from_numpy(np.ascontiguousarray(x_train))
         self.y_train = torch.from_numpy(np.ascontiguousarray(y_train)).long()
@@ -105,9 +110,12 @@ class FederatedData:
         if (self.sizes == 0).any():
             empty = int(np.flatnonzero(self.sizes == 0)[0])
             raise ConfigError(f"client {empty} has no training samples; use fewer clients or a larger data.min_size")
+        if len(self.y_test) == 0:  # evaluation would report 0% accuracy, not an error
+            raise DataError("the test split is empty (0 examples); give the data a test set")
+        self.dtype = dtype or torch.get_default_dtype()  # fixed here, so process-engine workers see the same
         shape = (1, -1) + (1,) * (self.x_train.dim() - 2) if self.x_train.dim() > 2 else (1, -1)
-        self._mean = torch.tensor(mean).view(shape) if mean is not None else None
-        self._std = torch.tensor(std).view(shape) if std is not None else None
+        self._mean = torch.tensor(mean, dtype=self.dtype).view(shape) if mean is not None else None
+        self._std = torch.tensor(std, dtype=self.dtype).view(shape) if std is not None else None
 
     @property
     def num_clients(self) -> int:
@@ -118,8 +126,8 @@ class FederatedData:
         return tuple(self.x_train.shape[1:])
 
     def preprocess(self, x: Tensor) -> Tensor:
-        """Raw stored values -> normalised float32 model inputs."""
-        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        """Raw stored values -> normalised model inputs of ``self.dtype``."""
+        x = x.to(self.dtype) / 255.0 if x.dtype == torch.uint8 else x.to(self.dtype)
         if self._mean is not None:
             x = (x - self._mean) / self._std
         return x
@@ -127,9 +135,14 @@ class FederatedData:
     def x_test(self) -> Tensor:
         return self.preprocess(self.x_test_raw)
 
-    def client_info(self, cid: int) -> ClientInfo:
+    def client_info(self, cid: int, dtype: torch.dtype | None = None) -> ClientInfo:
+        """p_i = |D_i| / |D| and n_i = |D_i| of client ``cid`` as 0-d tensors of ``dtype`` (default: ``self.dtype``).
+
+        p_i is divided in float64 and rounded once to ``dtype``, so it is the correctly rounded ratio in any dtype.
+        """
+        dtype = dtype or self.dtype
         n = float(self.sizes[cid])
-        return ClientInfo(torch.tensor(n / float(self.sizes.sum())), torch.tensor(n))
+        return ClientInfo(torch.tensor(n / float(self.sizes.sum()), dtype=dtype), torch.tensor(n, dtype=dtype))
 
     def client_data(self, seed: int, rnd: int, cid: int, plan: BatchPlan) -> ClientData:
         pos, mask = plan_indices(rng_for(seed, "batches", rnd, cid), int(self.sizes[cid]), plan)

@@ -62,6 +62,14 @@ class Dataset:
             raise DataError(f"{self.name}: train {self.x_train.shape[1:]} and test {self.x_test.shape[1:]} differ")
         if self.groups is not None and self.groups.shape != (n,):
             raise DataError(f"{self.name}: groups must have one entry per train example")
+        # The loaders check all of this naming the file; this is the net for every source (and direct use).
+        for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
+            if len(y) == 0:
+                raise DataError(f"{self.name}: the {split} split is empty (0 examples); give it examples")
+            _require_finite(x, self.name, split)
+            if not np.issubdtype(y.dtype, np.integer):
+                raise DataError(f"{self.name}: {split} labels must be integers, got {y.dtype}")
+            _require_in_range(y, self.num_classes, self.name, split)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -95,6 +103,48 @@ def _existing(name: str, path: str | Path | None) -> Path:
 def _no_path(name: str, path: str | Path | None) -> None:
     if path is not None:
         raise DataError(f"{name} is generated in memory and reads no files; drop data.path={path}")
+
+
+def _require_finite(x: np.ndarray, where: str, split: str) -> None:
+    """Refuse NaN/inf inputs at load: they would surface rounds later as a diverged run blamed on the step size."""
+    if np.issubdtype(x.dtype, np.floating):
+        bad = x.size - int(np.count_nonzero(np.isfinite(x)))
+        if bad:
+            raise DataError(
+                f"{where}: the {split} split has {bad} non-finite (NaN/inf) input values; replace or drop those "
+                "examples"
+            )
+
+
+def _require_in_range(y: np.ndarray, num_classes: int, where: str, split: str) -> None:
+    """Labels must be class indices ``0..num_classes-1``."""
+    bad = np.unique(y[(y < 0) | (y >= num_classes)])
+    if bad.size:
+        raise DataError(
+            f"{where}: the {split} split has label(s) {_few(bad)} outside 0..{num_classes - 1} "
+            f"({num_classes} classes); labels must be class indices"
+        )
+
+
+def _few(values: np.ndarray, k: int = 5) -> str:
+    """``[a, b, c]`` or ``[a, b, c, ... (12 in all)]``: error messages stay one short line."""
+    shown = ", ".join(str(v) for v in values[:k].tolist())
+    return f"[{shown}]" if len(values) <= k else f"[{shown}, ... ({len(values)} in all)]"
+
+
+def _int_labels(raw: np.ndarray, where: str, split: str) -> np.ndarray:
+    """Labels as int64; a fractional, NaN or non-numeric label is an error, never truncated to an integer."""
+    if np.issubdtype(raw.dtype, np.integer):
+        return raw.astype(np.int64)
+    if np.issubdtype(raw.dtype, np.floating):
+        whole = np.isfinite(raw) & (raw == np.round(raw))
+        if whole.all():
+            return raw.astype(np.int64)
+        raise DataError(
+            f"{where}: the {split} split has {int((~whole).sum())} non-integer label(s), e.g. {raw[~whole][0]}; "
+            "labels must be class indices 0..num_classes-1"
+        )
+    raise DataError(f"{where}: {split} labels must be integers, got {raw.dtype}")
 
 
 # ----------------------------------------------------------------------------- digits, synthetic
@@ -188,21 +238,32 @@ FEMNIST_STD = (0.1656,)
 _Store = dict[str, list[tuple[np.ndarray, np.ndarray]]]
 
 
-def _add_leaf(store: _Store, blob: bytes, where: str) -> None:
+def _add_leaf(store: _Store, blob: bytes, where: str, split: str) -> None:
     try:
+        # JSON's NaN and Infinity extensions parse to floats; they are counted and refused below.
         doc = json.loads(blob)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"corrupt LEAF JSON file {where}: {e}; replace it with a fresh copy") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("user_data"), dict):
         raise DataError(f"{where} is not a LEAF JSON file (no 'user_data' object); check the data path")
+    writers: list[tuple[str, np.ndarray, np.ndarray]] = []
     for uid, ud in doc["user_data"].items():
         try:
             x = np.asarray(ud["x"], dtype=np.float32)
-            y = np.asarray(ud["y"], dtype=np.int64)
+            y = np.asarray(ud["y"])
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{where}: writer {uid} has malformed 'x'/'y' ({e}); replace the file") from e
         if x.shape != (len(y), 784) or y.ndim != 1:
             raise DataError(f"{where}: writer {uid} must have x of shape (n, 784) and n labels, got {x.shape}")
+        writers.append((uid, x, _int_labels(y, f"{where}: writer {uid}", split)))
+    # One count for the whole file, so the message says how much of it is bad.
+    bad = sum(x.size - int(np.count_nonzero(np.isfinite(x))) for _, x, _ in writers)
+    if bad:
+        raise DataError(
+            f"{where}: the {split} split has {bad} non-finite (NaN/inf) pixel values; replace the file with a "
+            "clean copy"
+        )
+    for uid, x, y in writers:
         store.setdefault(uid, []).append((x, y))
 
 
@@ -239,7 +300,7 @@ def _leaf_blobs(path: Path) -> Iterator[tuple[str, str, bytes]]:
 def _read_leaf(path: Path) -> dict[str, np.ndarray]:
     stores: dict[str, _Store] = {"train": {}, "test": {}}
     for split, where, blob in _leaf_blobs(path):
-        _add_leaf(stores[split], blob, where)
+        _add_leaf(stores[split], blob, where, split)
     for split in ("train", "test"):
         if not stores[split]:
             raise DataError(f"no {split}/*.json LEAF files in {path}; expected femnist train/ and test/ folders")
@@ -277,9 +338,10 @@ def _read_tff_h5(path: Path) -> dict[str, np.ndarray]:
             with h5py.File(f, "r") as h5:
                 for cid, g in h5["examples"].items():
                     x = np.asarray(g["pixels"], dtype=np.float32)
-                    y = np.asarray(g["label"], dtype=np.int64).reshape(-1)
+                    y = _int_labels(np.asarray(g["label"]).reshape(-1), f"{f}: client {cid}", split)
                     if x.shape != (len(y), 28, 28):
                         raise DataError(f"{f}: client {cid} pixels must be (n, 28, 28), got {x.shape}")
+                    _require_finite(x, f"{f}: client {cid}", split)
                     store[cid] = [(x.reshape(-1, 784), y)]
         except (OSError, KeyError, TypeError) as e:
             raise DataError(f"cannot read TFF EMNIST file {f} ({e}); expect /examples/<client>/pixels, label") from e
@@ -299,9 +361,8 @@ def _load_femnist(path: str | None = None, *, cache: bool = True) -> Dataset:
         arrays, hit = _read_leaf(p), False
     num_classes = 10 if "digitsonly" in p.name else 62
     for split in ("train", "test"):
-        y = arrays[f"y_{split}"]
-        if y.size and (y.min() < 0 or y.max() >= num_classes):
-            raise DataError(f"femnist {split} labels in {p} must lie in 0..{num_classes - 1}")
+        _require_in_range(arrays[f"y_{split}"], num_classes, f"femnist {p}", split)
+        _require_finite(arrays[f"x_{split}"], f"femnist {p}", split)  # a cache written before this check existed
     info = (
         f"femnist from {p}{' (cached)' if hit else ''}: {len(arrays['writers'])} writers, "
         f"{len(arrays['y_train'])} train / {len(arrays['y_test'])} test samples"
@@ -405,9 +466,42 @@ def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]
 # ----------------------------------------------------------------------------- npz
 
 
-def _load_npz(path: str | None = None, *, num_classes: int | None = None) -> Dataset:
-    """An ``.npz`` with ``x_train, y_train, x_test, y_test`` (optional ``groups``), no pickles allowed."""
+_LAYOUTS = ("auto", "NCHW", "NHWC")
+
+
+def _image_layout(shape: tuple[int, ...], layout: str, where: str) -> str:
+    """The layout of a 4-d image array ``[N, ., ., .]``: ``"NCHW"`` or ``"NHWC"``.
+
+    ``auto`` takes NHWC when the last axis has 1 or 3 entries (grey, RGB) and the second has not, NCHW when
+    the second axis has 1 or 3 and the last has not, and NCHW (the stored order) when neither has. Both
+    having 1 or 3 (``[N, 3, 32, 3]``) is ambiguous and refused rather than guessed.
+    """
+    if layout != "auto":
+        return layout
+    first, last = shape[1] in (1, 3), shape[3] in (1, 3)
+    if first and last:
+        raise DataError(
+            f"{where} {shape} reads as {shape[1]} channels of {shape[2]}x{shape[3]} (NCHW) or {shape[3]} channels "
+            f"of {shape[1]}x{shape[2]} (NHWC); say which with data.options.layout='NCHW' or 'NHWC'"
+        )
+    return "NHWC" if last else "NCHW"
+
+
+def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout: str = "auto") -> Dataset:
+    """An ``.npz`` with ``x_train, y_train, x_test, y_test`` (optional ``groups``), no pickles allowed.
+
+    ``x`` is ``[N, D]`` features, ``[N, H, W]`` one-channel images (given the channel axis: ``[N, 1, H, W]``)
+    or ``[N, C, H, W]`` / ``[N, H, W, C]`` images; ``layout`` (``auto``, ``NCHW``, ``NHWC``) says which for
+    4-d arrays, ``auto`` following :func:`_image_layout`; NHWC is transposed to NCHW. ``num_classes``
+    declares the classes (labels ``0..num_classes-1``); without it they are the train split's labels, and
+    a label seen only in the test split is an error, since it would silently widen the model.
+    """
     p = _existing("npz", path)
+    layout = str(layout).upper() if str(layout).lower() != "auto" else "auto"
+    if layout not in _LAYOUTS:
+        raise DataError(f"npz: layout must be one of {', '.join(_LAYOUTS)}, got {layout!r}")
+    if num_classes is not None and (type(num_classes) is not int or num_classes < 1):  # bool is no count
+        raise DataError(f"npz: num_classes must be an integer >= 1, got {num_classes!r}")
     try:
         with np.load(p, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
@@ -424,28 +518,49 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None) -> Dat
             raise DataError(f"npz file {p}: x_{s} must be a numeric array [N, ...], got {x[s].dtype} {x[s].shape}")
         if y[s].shape != (len(x[s]),) or not np.issubdtype(y[s].dtype, np.integer):
             raise DataError(f"npz file {p}: y_{s} must be {len(x[s])} integer labels, got {y[s].dtype} {y[s].shape}")
-        if y[s].size and y[s].min() < 0:
+        if len(y[s]) == 0:
+            raise DataError(f"npz file {p}: x_{s} has 0 examples; every split needs some (an empty test set reads 0%)")
+        if y[s].min() < 0:
             raise DataError(f"npz file {p}: y_{s} has negative labels; labels must be 0..num_classes-1")
     if x["train"].shape[1:] != x["test"].shape[1:]:
         raise DataError(f"npz file {p}: x_train {x['train'].shape[1:]} and x_test {x['test'].shape[1:]} differ")
-    top = int(max(y["train"].max(initial=-1), y["test"].max(initial=-1))) + 1
-    if num_classes is not None and top > num_classes:
-        raise DataError(f"npz file {p}: labels reach {top - 1} but num_classes={num_classes}")
+    if num_classes is None:
+        num_classes = int(y["train"].max()) + 1
+        test_only = np.setdiff1d(y["test"], y["train"])
+        if test_only.size:
+            raise DataError(
+                f"npz file {p}: label(s) {_few(test_only)} appear only in the test split (y_test), never in y_train; "
+                "declare the classes with data.options.num_classes=N, or fix the split"
+            )
+    for s in ("train", "test"):
+        _require_in_range(y[s], num_classes, f"npz file {p}", s)
     groups = arrays.get("groups")
     if groups is not None:
         if groups.shape != (len(x["train"]),) or not np.issubdtype(groups.dtype, np.integer):
             raise DataError(f"npz file {p}: groups must be {len(x['train'])} integers, one per train example")
         groups = np.unique(groups, return_inverse=True)[1].astype(np.int64)  # renumber to 0..G-1
+    shape, note = x["train"].shape, ""
+    if x["train"].ndim == 2 and layout != "auto":
+        raise DataError(f"npz file {p}: x_train {shape} holds features, not images; drop data.options.layout")
+    if x["train"].ndim == 3:  # [N, H, W]: one channel, as MNIST-style arrays are saved
+        x = {s: x[s][:, None] for s in x}
+        note = ", [N, H, W] given a channel axis"
+    elif x["train"].ndim == 4 and _image_layout(shape, layout, f"npz file {p}: x_train") == "NHWC":
+        x = {s: np.ascontiguousarray(x[s].transpose(0, 3, 1, 2)) for s in x}
+        note = ", NHWC transposed to NCHW"
     # uint8 stays uint8 (images, normalised at batch time); everything else becomes float32 features.
-    xs = {s: x[s] if x[s].dtype == np.uint8 else x[s].astype(np.float32) for s in x}
-    info = f"npz from {p}: {len(y['train'])} train / {len(y['test'])} test, shape {xs['train'].shape[1:]}"
+    with np.errstate(over="ignore"):  # values beyond float32's range become inf, refused just below
+        xs = {s: x[s] if x[s].dtype == np.uint8 else x[s].astype(np.float32) for s in x}
+    for s in ("train", "test"):
+        _require_finite(xs[s], f"npz file {p}", s)
+    info = f"npz from {p}: {len(y['train'])} train / {len(y['test'])} test, shape {xs['train'].shape[1:]}{note}"
     return Dataset(
         "npz",
         xs["train"],
         y["train"].astype(np.int64),
         xs["test"],
         y["test"].astype(np.int64),
-        num_classes or max(top, 1),
+        num_classes,
         groups=groups,
         info=info,
     )
