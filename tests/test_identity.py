@@ -141,9 +141,9 @@ def test_lambda_mu_warning_names_keys_that_work() -> None:
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.body = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x.flatten(1))
@@ -157,8 +157,14 @@ def test_a_user_module_factory_is_seeded_and_recorded(tmp_path: Path) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.model.params().values(), b.model.params().values(), strict=True))
     assert a.cfg.model.name == f"custom:{__name__}.Net" and cfg.model.name == "logreg"  # the caller's cfg is kept
     assert a.cfg.run_name != cfg.run_name and a.cfg.run_name == b.cfg.run_name
+    wider = build(cfg, module=lambda: Net(hidden=32))
+    assert wider.cfg.model.name == a.cfg.model.name and wider.cfg.run_name != a.cfg.run_name
     run(a, tmp_path / "run", progress=False)
     assert 'name = "custom:' in (tmp_path / "run" / "config.toml").read_text()
+    with pytest.raises(RunDirError, match=r"differs in: model.options.architecture"):
+        run(build(load_config(SMOKE, ["rounds=3"]), module=lambda: Net(hidden=32)), tmp_path / "run", resume=True)
+    more = build(load_config(SMOKE, ["rounds=3"]), module=Net)
+    assert run(more, tmp_path / "run", resume=True, progress=False)["round"] == 3
     with pytest.raises(ConfigError, match=r"model.name='custom:.*pass it to hafedho.experiment.build"):
         build(a.cfg)
     with warnings.catch_warnings():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import warnings
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from hafedho.algorithms import algorithm_from_table
-from hafedho.config import Config, ConfigError, ModelConfig
+from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
 from hafedho.core import FunctionalModel
 from hafedho.data import partition as P
 from hafedho.data.federated import FederatedData, split_local_test
@@ -41,6 +42,13 @@ def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:
 CUSTOM = "custom:"  # model.name prefix of a user module: custom:<module>.<Class>
 
 
+def architecture(module: nn.Module) -> str:
+    """8 hex digits of a module's parameter and buffer names, shapes and dtypes: two user modules of one class
+    but another size are two experiments."""
+    items = [(k, list(v.shape), str(v.dtype)) for k, v in module.state_dict(keep_vars=True).items()]
+    return hashlib.sha256(canonical_json(items).encode()).hexdigest()[:8]
+
+
 def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None) -> Experiment:
     """Load data, partition it, build the model and the algorithm.
 
@@ -51,8 +59,9 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
             as is; MOON and pFedAFM also need ``forward(x, return_features=True) -> (z, logits)``). It is called
             after the run's model seed is set, so the same config gives the same initial model. An ``nn.Module``
             instance is accepted too, with a warning: its weights were drawn before ``build`` could seed them.
-            The run's config records ``model.name = "custom:<module>.<Class>"`` (options dropped), so its
-            directory name and its resume check see the user's model, never the default one.
+            The run's config records ``model.name = "custom:<module>.<Class>"`` and, as its only option, the
+            module's ``architecture`` (a hash of its parameter shapes), so its directory name and its resume check
+            see the user's model, never the default one.
     """
     alg = algorithm_from_table(cfg.algorithm)  # fail on bad hyperparameters before loading any data
     if module is None and cfg.model.name.startswith(CUSTOM):
@@ -88,7 +97,10 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
             if not isinstance(module, nn.Module):
                 raise ConfigError(f"build(module=...): the factory returned {type(module).__name__}, not nn.Module")
         cfg = copy.deepcopy(cfg)  # the caller's config keeps its own model
-        cfg.model = ModelConfig(name=f"{CUSTOM}{type(module).__module__}.{type(module).__qualname__}")
+        cfg.model = ModelConfig(
+            name=f"{CUSTOM}{type(module).__module__}.{type(module).__qualname__}",
+            options={"architecture": architecture(module)},
+        )
     sizes = [len(p) for p in parts]
     partition = {
         "hash": P.partition_hash(parts),
