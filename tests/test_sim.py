@@ -145,8 +145,8 @@ def test_existing_run_dir_needs_resume_or_force(tmp_path: Path) -> None:
     run(build(cfg), tmp_path / "run", progress=False)
     with pytest.raises(RunDirError, match="holds a finished run; pass --resume to continue it or --force"):
         run(build(cfg), tmp_path / "run", progress=False)
-    other = cfg_for(tmp_path, "rounds=1", "algorithm.mu=0.5")
-    with pytest.raises(RunDirError, match=r"was run with another config \(differs in: algorithm\)"):
+    other = cfg_for(tmp_path, "rounds=1", "algorithm.hafedho.mu=0.5")
+    with pytest.raises(RunDirError, match=r"holds another experiment \(differs in: algorithm.mu\)"):
         run(build(other), tmp_path / "run", resume=True, progress=False)
     run(build(other), tmp_path / "run", force=True, progress=False)
 
