@@ -16,13 +16,16 @@ from hafedho.results import read_metrics
 
 def test_run_smoke_config_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "smoke", "--out", str(tmp_path), "--quiet"]) == 0
-    run_dir = tmp_path / "hafedho-digits-s0"
+    run_dir = next(tmp_path.glob("hafedho-digits-*-s0"))  # PREFIX-HASH-sSEED (Config.run_name)
     rows = read_metrics(run_dir)
     assert [r["round"] for r in rows] == [1, 2] and (run_dir / "done").exists()
     assert rows[-1]["test/acc"] > 0.1 and "round 2, test/acc" in capsys.readouterr().out
     # overrides without a config file use the embedded default
     assert main(["run", "rounds=1", "algorithm.name=fedavg", "--out", str(tmp_path), "--quiet"]) == 0
-    assert json.loads((tmp_path / "fedavg-digits-s0" / "metrics.jsonl").read_text().splitlines()[0])["round"] == 1
+    assert (
+        json.loads((next(tmp_path.glob("fedavg-digits-*-s0")) / "metrics.jsonl").read_text().splitlines()[0])["round"]
+        == 1
+    )
 
 
 def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

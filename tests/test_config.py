@@ -41,7 +41,7 @@ def test_bad_settings_fail_with_one_line(overrides: list[str], message: str) -> 
 
 def test_bad_algorithm_settings_fail_before_loading_data() -> None:
     cfg = load_config(None, ["algorithm.hafedho.mu=-1", "data.source=femnist", "data.path=/nonexistent"])
-    with pytest.raises(ConfigError, match=r"algorithm.mu=-1.0: must be >= 0"):
+    with pytest.raises(ConfigError, match=r"^algorithm.hafedho.mu=-1.0: must be >= 0"):
         build(cfg)
     cfg = load_config(None, ["algorithm.name=scaffoldd"])
     with pytest.raises(ConfigError, match=r"algorithm.name='scaffoldd': unknown algorithm; choose one of"):

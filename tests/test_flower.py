@@ -30,10 +30,11 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from hafedho.algorithms import REGISTRY
 from hafedho.cli import main
+from hafedho.config import ConfigError, load_config
 from hafedho.experiment import build
 from hafedho.flower import codec, deploy
 from hafedho.flower.client_app import app as client_app
-from hafedho.flower.common import RUN_CONFIG_DEFAULTS, experiment
+from hafedho.flower.common import RUN_CONFIG_DEFAULTS, config_path, experiment
 from hafedho.flower.strategy import HafedhoStrategy
 from hafedho.results import read_metrics
 
@@ -151,6 +152,29 @@ def test_flower_runs_are_read_by_hafedho_report(tmp_path: Path, capsys: pytest.C
     assert main(["report", str(tmp_path / "flower"), "--out", str(tmp_path / "report")]) == 0
     assert "fedavg" in capsys.readouterr().out
     assert (tmp_path / "report" / "results.md").exists()
+
+
+def test_a_federation_of_another_size_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """5 SuperNodes (a simulation's num-supernodes) for N = 10: an error before any training message, no `done`
+    (it used to train no client in any round, write `done` and exit 0); `flower run --simulation 5` refuses at once."""
+    rc = {"hafedho-config": "smoke", "overrides": "algorithm.name=fedavg"}
+    strategy = HafedhoStrategy(experiment(rc), tmp_path / "flower", node_wait=0.0)
+    strategy.prepare()
+    grid = LocalGrid(rc, 5)
+    with pytest.raises(ConfigError, match=r"num-partitions=5 but this run has N=10 clients .*--simulation 10"):
+        strategy.start(grid, strategy.initial_arrays(), num_rounds=2, evaluate_fn=strategy.evaluate_global)
+    assert not [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    assert not (tmp_path / "flower" / "done").exists() and not read_metrics(tmp_path / "flower")
+    assert main(["flower", "run", "smoke", "--superlink", "127.0.0.1:9", "--simulation", "5"]) == 2
+    assert "--simulation 5: the config has N=10 clients" in capsys.readouterr().err
+
+
+def test_flower_run_directory_is_named_by_the_experiment(tmp_path: Path) -> None:
+    """The ServerApp's default run directory is OUT/flower/<the name `hafedho run` gives the same experiment>."""
+    rc = {"hafedho-config": "smoke", "overrides": f"algorithm.name=fedavg engine=process out={str(tmp_path)!r}"}
+    assert experiment(rc).cfg.run_name == load_config(config_path("smoke"), ["algorithm.name=fedavg"]).run_name
 
 
 def test_client_refuses_a_server_with_another_config(tmp_path: Path) -> None:

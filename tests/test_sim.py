@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hafedho.config import load_config
+from hafedho.config import CONFIG_DIR, load_config
 from hafedho.data.federated import BatchPlan, plan_indices
 from hafedho.experiment import build
 from hafedho.results import RunDirError, read_metrics
@@ -108,16 +108,17 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*cli, *args, "--out", str(tmp_path / "a")], check=True, env=env, capture_output=True)
     proc = subprocess.Popen([*cli, *args, "--out", str(tmp_path / "b")], env=env, stderr=subprocess.DEVNULL)
-    metrics = tmp_path / "b" / "hafedho-digits-s0" / "metrics.jsonl"
+    name = load_config(CONFIG_DIR / "smoke.toml", args[1:3]).run_name
+    metrics = tmp_path / "b" / name / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 8):
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (tmp_path / "b" / "hafedho-digits-s0" / "done").exists(), "the run finished before it was killed"
+    assert not (tmp_path / "b" / name / "done").exists(), "the run finished before it was killed"
     subprocess.run([*cli, *args, "--out", str(tmp_path / "b"), "--resume"], check=True, env=env, capture_output=True)
-    a = strip_wall(read_metrics(tmp_path / "a" / "hafedho-digits-s0"))
-    b = strip_wall(read_metrics(tmp_path / "b" / "hafedho-digits-s0"))
+    a = strip_wall(read_metrics(tmp_path / "a" / name))
+    b = strip_wall(read_metrics(tmp_path / "b" / name))
     assert len(a) == 40 and a == b
 
 
@@ -144,8 +145,8 @@ def test_existing_run_dir_needs_resume_or_force(tmp_path: Path) -> None:
     run(build(cfg), tmp_path / "run", progress=False)
     with pytest.raises(RunDirError, match="holds a finished run; pass --resume to continue it or --force"):
         run(build(cfg), tmp_path / "run", progress=False)
-    other = cfg_for(tmp_path, "rounds=1", "algorithm.mu=0.5")
-    with pytest.raises(RunDirError, match=r"was run with another config \(differs in: algorithm\)"):
+    other = cfg_for(tmp_path, "rounds=1", "algorithm.hafedho.mu=0.5")
+    with pytest.raises(RunDirError, match=r"holds another experiment \(differs in: algorithm.mu\)"):
         run(build(other), tmp_path / "run", resume=True, progress=False)
     run(build(other), tmp_path / "run", force=True, progress=False)
 
@@ -196,7 +197,9 @@ def test_any_user_module_runs_in_the_reference_engine(tmp_path: Path) -> None:
     """A plain nn.Module (no return_features, BatchNorm included) passed through the Python API."""
     from torch import nn
 
-    module = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    def module() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+
     exp = build(cfg_for(tmp_path, "rounds=2", "algorithm.name=fedavg"), module=module)
     last = run(exp, tmp_path / "run", progress=False)
     assert last["round"] == 2 and 0.0 <= last["test/acc"] <= 1.0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hafedho.cli import main
-from hafedho.config import ConfigError, dump_toml
+from hafedho.config import CONFIG_DIR, ConfigError, dump_toml, load_config
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
 from hafedho.results import read_metrics
@@ -86,7 +86,7 @@ def test_every_preset_expands_to_valid_configs(name: str, scale: str) -> None:
     assert specs and len({s.name for s in specs}) == len(specs)
     assert [s.name for s in expand(load_preset(name, scale))] == [s.name for s in specs]  # deterministic names
     for s in specs:
-        assert s.cfg.name == s.name and s.cfg.out == f"runs/paper-{scale}"
+        assert s.cfg.run_name == s.name and s.cfg.out == f"runs/paper-{scale}"
         alg = s.cfg.algorithm
         assert not [k for k, v in alg.items() if isinstance(v, dict) and k != alg["name"]]  # pruned tables
     if scale == "cpu":
@@ -150,6 +150,22 @@ def test_overrides_replace_axes_or_apply_to_all() -> None:
     assert all(s.name.endswith("-s0") for s in specs)
 
 
+def test_a_sweep_run_has_the_name_hafedho_run_gives_it(tmp_path: Path) -> None:
+    """TINY is the smoke config (plus defaults written out, another horizon): its runs are `hafedho run smoke`'s
+    directories, whatever the engine; a shared key that a selected algorithm's table contradicts is refused."""
+    smoke = CONFIG_DIR / "smoke.toml"
+    specs = expand(load_preset(str(tiny(tmp_path))))
+    by_run = {load_config(smoke, [f"algorithm.name={s.label}", f"seed={s.seed}"]).run_name: s for s in specs}
+    assert set(by_run) == {s.name for s in specs} and len(specs) == 4
+    assert all(by_run[s.name].run_dir == Path(s.cfg.out) / s.name for s in specs)
+    assert [s.name for s in expand(load_preset(str(tiny(tmp_path))), overrides=["engine=process"])] == [
+        s.name for s in specs
+    ]
+    over = tiny(tmp_path, extra="[base.algorithm.hafedho]\nmu = 0.01\n")
+    with pytest.raises(ConfigError, match=r"algorithm.mu=0.5 conflicts with algorithm.hafedho.mu=0.01"):
+        expand(load_preset(str(over)), overrides=["algorithm.mu=0.5"])
+
+
 def test_preset_errors_are_one_line(tmp_path: Path) -> None:
     typo = tiny(tmp_path, extra="[scale.cpu.base.data]\nqq = 1\n")
     with pytest.raises(ConfigError, match=r"^tiny \[algorithm.name=hafedho\]: data.qq: unknown key"):
@@ -157,7 +173,9 @@ def test_preset_errors_are_one_line(tmp_path: Path) -> None:
     bad = tiny(tmp_path, grid='dataset = ["x"]')
     with pytest.raises(ConfigError, match="neither a config key nor a named axis"):
         expand(load_preset(str(bad)))
-    with pytest.raises(ConfigError, match=r"^tiny \[algorithm.hafedho.mu=-1.0\]: algorithm.mu=-1.0: must be >= 0"):
+    with pytest.raises(
+        ConfigError, match=r"^tiny \[algorithm.hafedho.mu=-1.0\]: algorithm.hafedho.mu=-1.0: must be >= 0"
+    ):
         expand(load_preset(str(tiny(tmp_path, grid='"algorithm.hafedho.mu" = [0.01, -1.0]'))))
     with pytest.raises(ConfigError, match="unknown preset 'nope'"):
         load_preset("nope")

@@ -7,6 +7,8 @@ key and the fix.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -90,7 +92,7 @@ class Config:
         "per-client state in RAM or memory-mapped on disk; auto = disk above 2 GiB",
         choices=("auto", "memory", "disk"),
     )
-    name: str | None = hp(None, "run name; None = ALGORITHM-SOURCE-sSEED")
+    name: str | None = hp(None, "run name prefix; None = ALGORITHM-SOURCE (the run directory is PREFIX-HASH-sSEED)")
     out: str = hp("runs", "folder that holds run directories")
     data: DataConfig = field(default_factory=DataConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
@@ -100,10 +102,57 @@ class Config:
 
     @property
     def run_name(self) -> str:
-        return self.name or f"{self.algorithm.get('name')}-{self.data.source}-s{self.seed}"
+        """The run's directory name, ``PREFIX-HASH-sSEED``: PREFIX is ``name`` (default ``ALGORITHM-SOURCE``),
+        HASH is ``experiment_hash`` (what the run computes, not how, where or for how many rounds it runs).
+
+        A given ``name`` is a prefix, never the whole directory name, so two different experiments never share a
+        directory, even under one name; the same experiment always gets the same one (``hafedho run``, sweeps
+        and Flower alike), whatever the engine, and a run with more ``rounds`` continues it.
+        """
+        prefix = self.name or f"{self.algorithm.get('name')}-{self.data.source}"
+        return f"{prefix}-{experiment_hash(self)}-s{self.seed}"
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none(dataclasses.asdict(self))
+
+
+def experiment_identity(cfg: Config) -> dict[str, Any]:
+    """What a run computes, as plain data: the resolved config without ``RUNTIME_KEYS``, its ``[algorithm]``
+    reduced to the selected algorithm's complete hyperparameters (``hafedho.algorithms.resolve_algorithm``,
+    defaults filled in), so a setting given at the shared level, in the algorithm's own table, or left at its
+    default is one experiment, and another algorithm's table never matters. Raises ConfigError for a bad
+    ``[algorithm]``."""
+    from hafedho.algorithms import algorithm_from_table
+
+    alg = algorithm_from_table(cfg.algorithm)
+    ident = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS}
+    ident["algorithm"] = {"name": alg.name, **{f.name: getattr(alg, f.name) for f in dataclasses.fields(alg)}}
+    return ident
+
+
+def canonical_json(d: Any) -> str:
+    """One text per value: sorted keys, no whitespace, ASCII (so hashes never depend on the process)."""
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+
+
+def experiment_hash(cfg: Config) -> str:
+    """8 hex digits of ``experiment_identity`` without the seed (seeds of one experiment share it; the run name
+    carries the seed). A hash collision cannot mix two experiments: resuming compares whole identities."""
+    ident = experiment_identity(cfg)
+    ident.pop("seed", None)
+    return hashlib.sha256(canonical_json(ident).encode()).hexdigest()[:8]
+
+
+def identity_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two identities (or configs)."""
+    out: list[str] = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += identity_diff(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:

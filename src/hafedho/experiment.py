@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import hashlib
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from hafedho.algorithms import REGISTRY, build_algorithm
-from hafedho.config import Config, ConfigError
-from hafedho.core import FedAlgorithm, FunctionalModel
+from hafedho.algorithms import algorithm_from_table
+from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
+from hafedho.core import FunctionalModel
 from hafedho.data import partition as P
 from hafedho.data.federated import FederatedData, split_local_test
 from hafedho.data.sources import Dataset, load_dataset
@@ -36,30 +39,35 @@ def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:
     return P.dirichlet(ds.y_train, d.num_clients, d.q, seed, min_size=d.min_size)
 
 
-def algorithm_from_table(table: dict[str, Any]) -> FedAlgorithm:
-    """``[algorithm]``: ``name``, shared settings, and optional per-algorithm tables such as ``[algorithm.hafedho]``.
-
-    Per-algorithm tables let one config carry every algorithm's tuned hyperparameters; only the selected
-    algorithm's table applies, so ``algorithm.name=fedavg`` never inherits HaFedHo's ``mu``.
-    """
-    name = table["name"]
-    for key, value in table.items():
-        if isinstance(value, dict) and key not in REGISTRY:
-            raise ConfigError(f"algorithm.{key}: not an algorithm; per-algorithm tables are: {', '.join(REGISTRY)}")
-    settings = {k: v for k, v in table.items() if k != "name" and not isinstance(v, dict)}
-    return build_algorithm(name, {**settings, **table.get(name, {})})
+CUSTOM = "custom:"  # model.name prefix of a user module: custom:<module>.<Class>
 
 
-def build(cfg: Config, module: nn.Module | None = None) -> Experiment:
+def architecture(module: nn.Module) -> str:
+    """8 hex digits of a module's parameter and buffer names, shapes and dtypes: two user modules of one class
+    but another size are two experiments."""
+    items = [(k, list(v.shape), str(v.dtype)) for k, v in module.state_dict(keep_vars=True).items()]
+    return hashlib.sha256(canonical_json(items).encode()).hexdigest()[:8]
+
+
+def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None) -> Experiment:
     """Load data, partition it, build the model and the algorithm.
 
     Args:
         cfg: a validated config (``hafedho.config.load_config``).
-        module: any ``nn.Module`` mapping a batch of the source's inputs to logits, used instead of
-            ``cfg.model`` (the reference engine runs it as is; MOON and pFedAFM also need
-            ``forward(x, return_features=True) -> (z, logits)``).
+        module: a factory (``lambda: MyNet()``, or the class itself) returning any ``nn.Module`` that maps a
+            batch of the source's inputs to logits, used instead of ``cfg.model`` (the reference engine runs it
+            as is; MOON and pFedAFM also need ``forward(x, return_features=True) -> (z, logits)``). It is called
+            after the run's model seed is set, so the same config gives the same initial model. An ``nn.Module``
+            instance is accepted too, with a warning: its weights were drawn before ``build`` could seed them.
+            The run's config records ``model.name = "custom:<module>.<Class>"`` and, as its only option, the
+            module's ``architecture`` (a hash of its parameter shapes), so its directory name and its resume check
+            see the user's model, never the default one.
     """
     alg = algorithm_from_table(cfg.algorithm)  # fail on bad hyperparameters before loading any data
+    if module is None and cfg.model.name.startswith(CUSTOM):
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} is a user module; pass it to hafedho.experiment.build(cfg, module=...)"
+        )
     ds = load_dataset(cfg.data.source, cfg.data.path, **(cfg.data.options or {}))
     pseed = cfg.seed if cfg.data.partition_seed is None else cfg.data.partition_seed
     parts = make_partition(cfg, ds, pseed)
@@ -77,6 +85,22 @@ def build(cfg: Config, module: nn.Module | None = None) -> Experiment:
             module = build_model(cfg.model.name, fed.input_shape, ds.num_classes, **(cfg.model.options or {}))
         except (ValueError, TypeError) as e:
             raise ConfigError(f"model: {e}") from None
+    else:
+        if isinstance(module, nn.Module):
+            warnings.warn(
+                "build(cfg, module=<nn.Module instance>): its weights were drawn before build() seeded the run, "
+                "so they do not follow cfg.seed; pass a factory instead, e.g. module=lambda: MyNet()",
+                stacklevel=2,
+            )
+        else:
+            module = module()
+            if not isinstance(module, nn.Module):
+                raise ConfigError(f"build(module=...): the factory returned {type(module).__name__}, not nn.Module")
+        cfg = copy.deepcopy(cfg)  # the caller's config keeps its own model
+        cfg.model = ModelConfig(
+            name=f"{CUSTOM}{type(module).__module__}.{type(module).__qualname__}",
+            options={"architecture": architecture(module)},
+        )
     sizes = [len(p) for p in parts]
     partition = {
         "hash": P.partition_hash(parts),

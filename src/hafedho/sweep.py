@@ -22,18 +22,20 @@ A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
 
 One run's config: base < named-axis bundles < config-key axes < variant ``set`` < command-line overrides;
 then ``seed``, ``name`` and ``out`` are set, and only the selected algorithm's ``[algorithm.NAME]`` table is kept
-(so runs that differ only in another algorithm's settings are the same run).
+(``hafedho.algorithms.applicable``; the others never apply to the run).
 
-Run directories are ``OUT/LABEL-SOURCE-HASH-sSEED``; HASH covers the run's resolved preset table (not the
-seed), so identical runs of different presets share one directory, and a changed preset never resumes a
-stale run. ``OUT/sweeps/PRESET.json`` lists the runs of the latest sweep of that preset for ``hafedho report``.
+Run directories are ``OUT/LABEL-SOURCE-HASH-sSEED``, the name ``hafedho run`` gives (``Config.run_name`` with
+``name = LABEL-SOURCE``; LABEL is the algorithm, or a variant's label): HASH is the experiment's identity
+(``hafedho.config.experiment_hash``: data, partition, clients, sampling, model, resolved algorithm; never the
+engine, workers, threads, checkpoint cadence or ``rounds``), so identical runs of different presets, and a plain
+``hafedho run`` of the same experiment, share one directory, and a changed experiment never resumes a stale
+run. ``OUT/sweeps/PRESET.json`` lists the runs of the latest sweep of that preset for ``hafedho report``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import itertools
 import json
 import multiprocessing
@@ -265,17 +267,12 @@ def _point_table(preset: Preset, point: dict[str, Any], sets: dict[str, Any], ex
 
 def _prune_algorithm(table: dict[str, Any]) -> dict[str, Any]:
     """Keep only the selected algorithm's ``[algorithm.NAME]`` table (the others never apply to this run)."""
+    from hafedho.algorithms import applicable
+
     alg = table.get("algorithm")
     if not isinstance(alg, dict) or not isinstance(alg.get("name"), str):
         return table
-    kept = {k: v for k, v in alg.items() if not isinstance(v, dict) or k == alg["name"]}
-    return {**table, "algorithm": kept}
-
-
-def config_hash(table: dict[str, Any]) -> str:
-    """8 hex digits naming a run's resolved preset table, seed/name/out excluded."""
-    core = {k: v for k, v in table.items() if k not in ("seed", "name", "out")}
-    return hashlib.sha1(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return {**table, "algorithm": applicable(alg)}
 
 
 def _slug(text: str) -> str:
@@ -289,7 +286,7 @@ def check_algorithm(table: dict[str, Any]) -> None:
     """Build the algorithm once per distinct table, so bad hyperparameters fail before any run starts."""
     key = json.dumps(table, sort_keys=True, default=str)
     if key not in _ALG_CACHE:
-        from hafedho.experiment import algorithm_from_table
+        from hafedho.algorithms import algorithm_from_table
 
         algorithm_from_table(table)
         _ALG_CACHE.add(key)
@@ -343,8 +340,11 @@ def expand(
                 except ConfigError as e:
                     raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
             row = label or str(cfg.algorithm["name"])
-            name = f"{_slug(row)}-{_slug(cfg.data.source)}-{config_hash(table)}-s{seed}"
-            cfg.name, cfg.out = name, out
+            cfg.name, cfg.out = f"{_slug(row)}-{_slug(cfg.data.source)}", out  # a prefix: see Config.run_name
+            try:
+                name = cfg.run_name
+            except ConfigError as e:
+                raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
             specs.setdefault(name, RunSpec(name, row, seed, point, cfg, reference))
     return list(specs.values())
 
@@ -424,19 +424,20 @@ def run_spec(cfg: Config, run_dir: str) -> Outcome:
     from hafedho.sim.runner import Divergence, run
 
     t0, path = time.perf_counter(), Path(run_dir)
+    name = path.name  # the spec's name (Config.run_name)
     with _RunLock(path) as held:
         if not held:  # another sweep over the same folder is running it (presets share runs)
-            return Outcome(str(cfg.name), "busy", "running in another sweep; not counted")
+            return Outcome(name, "busy", "running in another sweep; not counted")
         if run_status(path) == "done":  # finished by another sweep since this one started
-            return Outcome(str(cfg.name), "skipped", "done meanwhile")
+            return Outcome(name, "skipped", "done meanwhile")
         try:
             last = run(build(cfg), path, resume=path.exists(), progress=False)
         except Divergence as e:
-            return Outcome(str(cfg.name), "diverged", str(e), seconds=time.perf_counter() - t0)
+            return Outcome(name, "diverged", str(e), seconds=time.perf_counter() - t0)
         except Exception as e:  # recorded as one line; the sweep goes on and exits non-zero at the end
             line = (str(e).strip().splitlines() or [""])[0]
-            return Outcome(str(cfg.name), "failed", f"{type(e).__name__}: {line}", seconds=time.perf_counter() - t0)
-    return Outcome(str(cfg.name), "done", acc=last.get("test/acc"), seconds=time.perf_counter() - t0)
+            return Outcome(name, "failed", f"{type(e).__name__}: {line}", seconds=time.perf_counter() - t0)
+    return Outcome(name, "done", acc=last.get("test/acc"), seconds=time.perf_counter() - t0)
 
 
 class _RunLock:

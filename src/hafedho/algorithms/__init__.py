@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from hafedho.algorithms.fedavg import FedAvg
@@ -29,3 +30,57 @@ def build_algorithm(name: str, settings: dict[str, Any] | None = None) -> FedAlg
     if name not in REGISTRY:
         raise ConfigError(f"algorithm.name={name!r}: unknown algorithm; choose one of {', '.join(REGISTRY)}")
     return REGISTRY[name].from_config(settings or {})
+
+
+def applicable(table: Mapping[str, Any]) -> dict[str, Any]:
+    """``[algorithm]`` without the tables of the algorithms it does not select (they never apply to the run)."""
+    name = table.get("name")
+    return {k: v for k, v in table.items() if not isinstance(v, dict) or k == name}
+
+
+def resolve_algorithm(table: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The one meaning of an ``[algorithm]`` table: the selected algorithm and the settings that apply to it.
+
+    ``[algorithm]`` holds ``name``, settings given to the selected algorithm whatever it is (``lr``), and
+    optional per-algorithm tables (``[algorithm.hafedho]``) so that one config carries every algorithm's tuned
+    values; only the selected algorithm's table applies, so ``algorithm.name=fedavg`` never inherits HaFedHo's
+    ``mu``. A shared key applies unless the selected table sets the same key to another value: that is refused
+    with both keys named (never resolved silently). A shared key the selected algorithm does not have is refused
+    by ``build_algorithm``. The experiment builder, sweeps, run names and reports all read ``[algorithm]``
+    through this function.
+    """
+    name = table.get("name")
+    if not isinstance(name, str):
+        raise ConfigError("algorithm: needs a table with name = '<algorithm>' (see `hafedho algorithms`)")
+    for key, value in table.items():
+        if isinstance(value, dict) and key not in REGISTRY:
+            raise ConfigError(f"algorithm.{key}: not an algorithm; per-algorithm tables are: {', '.join(REGISTRY)}")
+    shared = {k: v for k, v in table.items() if k != "name" and not isinstance(v, dict)}
+    own = dict(table.get(name, {}))
+    for key in sorted(shared.keys() & own.keys()):
+        if shared[key] != own[key]:
+            raise ConfigError(
+                f"algorithm.{key}={_text(shared[key])} conflicts with algorithm.{name}.{key}={_text(own[key])} "
+                f"([algorithm.{name}] sets {key}); set one of them, e.g. algorithm.{name}.{key}={_text(shared[key])}"
+            )
+    return name, {**shared, **own}
+
+
+def algorithm_from_table(table: Mapping[str, Any]) -> FedAlgorithm:
+    """The algorithm an ``[algorithm]`` table selects, with its settings resolved by ``resolve_algorithm``; an error
+    about a setting names the key as the table spells it (``algorithm.hafedho.mu`` or ``algorithm.mu``)."""
+    name, settings = resolve_algorithm(table)
+    try:
+        return build_algorithm(name, settings)
+    except ConfigError as e:
+        text, own = str(e), table.get(name, {})
+        for key in own:
+            for sep in ("=", ":"):
+                if text.startswith(f"algorithm.{key}{sep}"):
+                    raise ConfigError(f"algorithm.{name}.{key}{text[len(f'algorithm.{key}') :]}") from None
+        raise
+
+
+def _text(value: Any) -> str:
+    """A value as it is typed in a ``key=value`` override."""
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)

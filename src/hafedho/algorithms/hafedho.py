@@ -142,7 +142,8 @@ class HaFedHo(FedAlgorithm):
         if lam_mu >= 1:
             warnings.warn(
                 f"hafedho: lambda*mu = {local_steps}*{self.mu} = {lam_mu:g} >= 1: the rectified update acts as "
-                "heavy-ball momentum with that factor and may diverge; lower algorithm.mu or clients.local_steps",
+                "heavy-ball momentum with that factor and may diverge; lower mu where it is set "
+                "(algorithm.hafedho.mu or algorithm.mu) or clients.local_steps",
                 stacklevel=2,
             )
         return {"lambda_mu": lam_mu}

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hafedho.config import CONFIG_DIR, load_config
+from hafedho.config import CONFIG_DIR, ConfigError, load_config
 from hafedho.flower import deploy
 
 
@@ -122,6 +122,12 @@ def _run(args: argparse.Namespace) -> int:
     items = list(args.overrides)
     name = items.pop(0) if items and "=" not in items[0] else "default"
     cfg = load_config(config_path(name), items)  # fail here, not on the server, for a bad config
+    n = cfg.data.num_clients  # 0: all natural clients, known once the data is read (the server checks it then)
+    if args.simulation is not None and n and args.simulation != n:
+        raise ConfigError(
+            f"--simulation {args.simulation}: the config has N={n} clients (data.num_clients) and each virtual "
+            f"SuperNode is one of them; use --simulation {n} or data.num_clients={args.simulation}"
+        )
     if config_path(name).parent != CONFIG_DIR:
         print(f"note: the SuperLink's and every SuperNode's machine read {name!r} themselves: keep a copy there")
     run_config = {

@@ -33,6 +33,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from hafedho.config import ConfigError
 from hafedho.core import RoundInfo, tree
 from hafedho.core.model import evaluate
 from hafedho.flower import codec
@@ -66,6 +67,7 @@ class HafedhoStrategy(Strategy):
         self.wall = 0.0
         self._deadline: float | None = None
         self._asked: set[int] = set()
+        self._foreign: dict[int, int] = {}  # node id -> the N it reported, for nodes of another federation
         self._round: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- run directory
@@ -116,7 +118,10 @@ class HafedhoStrategy(Strategy):
                         self.fed.num_clients,
                     )
                     self.nodes[node] = -1
+                    if meta is not None:
+                        self._foreign[node] = int(meta.get("num-partitions", -1))
                     continue
+                self._foreign.pop(node, None)
                 self.nodes[node] = int(meta["partition-id"])
         return online
 
@@ -128,13 +133,32 @@ class HafedhoStrategy(Strategy):
             online = self.discover(grid)
             by_pid = {pid: node for node, pid in self.nodes.items() if node in online and pid >= 0}  # newest wins
             found = {cid: by_pid[cid] for cid in cohort if cid in by_pid}
-            if len(found) == len(cohort) or time.monotonic() >= self._deadline:
+            if len(found) == len(cohort):
+                break
+            self._check_federation(online, by_pid, final=time.monotonic() >= self._deadline)
+            if time.monotonic() >= self._deadline:
                 break
             time.sleep(1.0)
         missing = sorted(set(cohort) - found.keys())
         if missing:
             log(WARNING, "round clients without a connected node (skipped): %s", missing)
         return found
+
+    def _check_federation(self, online: set[int], ours: dict[int, int], final: bool) -> None:
+        """Refuse, before any training, SuperNodes that all describe another N (a simulation whose num-supernodes
+        is not the config's N would otherwise train no client in any round): at once when they form a whole
+        federation of another size, else when the node wait ends with none of this federation's nodes online."""
+        sizes = sorted({n for node, n in self._foreign.items() if node in online})
+        if ours or not sizes:
+            return
+        whole = any(sum(1 for node, n in self._foreign.items() if node in online and n == k) >= k for k in sizes)
+        if whole or final:
+            n = self.fed.num_clients
+            raise ConfigError(
+                f"the SuperNodes have num-partitions={', '.join(map(str, sizes))} but this run has N={n} clients "
+                f"(data.num_clients); start {n} SuperNodes with num-partitions={n} (simulation: num-supernodes = "
+                f"{n}, `hafedho flower run --simulation {n}`) or set data.num_clients to match"
+            )
 
     # ----------------------------------------------------------------- train
 

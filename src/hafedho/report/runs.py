@@ -90,11 +90,15 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
-    """The selected algorithm's effective settings: shared ``[algorithm]`` keys plus its own table."""
-    alg = config.get("algorithm", {})
-    name = alg.get("name")
-    shared = {k: v for k, v in alg.items() if k != "name" and not isinstance(v, dict)}
-    return {**shared, **flatten(alg.get(name, {}) if isinstance(alg.get(name), dict) else {})}
+    """The selected algorithm's effective settings (``hafedho.algorithms.resolve_algorithm``); none for a config
+    this version refuses."""
+    from hafedho.algorithms import resolve_algorithm
+    from hafedho.config import ConfigError
+
+    try:
+        return flatten(resolve_algorithm(config.get("algorithm", {}))[1])
+    except ConfigError:
+        return {}
 
 
 def read_run(run_dir: Path) -> Run:

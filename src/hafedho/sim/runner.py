@@ -14,7 +14,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hafedho.config import Config, cohort_size, dump_toml, read_toml
+from hafedho.config import (
+    Config,
+    ConfigError,
+    cohort_size,
+    config_from_table,
+    dump_toml,
+    experiment_identity,
+    identity_diff,
+    read_toml,
+)
 from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.model import evaluate
 from hafedho.data.federated import BatchPlan, FederatedData
@@ -93,6 +102,25 @@ def save_checkpoint(run_dir: Path, t: int, server: Any, store: ClientStore, wall
             shutil.rmtree(old, ignore_errors=True)
 
 
+def check_same_experiment(run_dir: Path, cfg: Config) -> None:
+    """Refuse to continue a run directory that holds another experiment (``experiment_identity``): runtime
+    settings (engine, workers, threads, eval and checkpoint cadence) may change on resume, and so may ``rounds``
+    (extending a run continues it)."""
+    path = run_dir / "config.toml"
+    if not path.exists():
+        return
+    try:
+        old = experiment_identity(config_from_table(read_toml(path)))
+    except ConfigError as e:
+        raise RunDirError(f"{path} cannot be read by this version ({e}); use --force to start over") from None
+    diff = identity_diff(old, experiment_identity(cfg))
+    if diff:
+        raise RunDirError(
+            f"{run_dir} holds another experiment (differs in: {', '.join(diff)}); "
+            "use another directory, or --force to replace it"
+        )
+
+
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> None:
     """Create the run directory, or check that an existing one may be continued."""
     if run_dir.exists() and force:
@@ -101,13 +129,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> No
         if not resume:
             state = "finished" if (run_dir / "done").exists() else "interrupted"
             raise RunDirError(f"{run_dir} holds a {state} run; pass --resume to continue it or --force to start over")
-        old = read_toml(run_dir / "config.toml") if (run_dir / "config.toml").exists() else {}
-        old.pop("rounds", None)
-        new = cfg.to_dict()
-        new.pop("rounds", None)  # extending a finished run is allowed
-        if old and old != new:
-            diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-            raise RunDirError(f"{run_dir} was run with another config (differs in: {', '.join(diff)}); use --force")
+        check_same_experiment(run_dir, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
 
