@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from hafedho.config import read_toml
-from hafedho.report.runs import Group, Section, Stat, accuracy_stat, rounds_stat
+from hafedho.report.runs import Group, Section, Stat, accuracy_stat, horizon_note, no_data_note, rounds_stat
 from hafedho.results import read_metrics
 
 
@@ -263,12 +263,15 @@ class Layout:
 
 def _acc_cell(stat: Stat, seeds: int) -> str:
     if stat.n == 0:
-        if stat.diverged:
-            return f"diverged ({stat.diverged}/{stat.total})"
-        return "—"
+        parts = [
+            f"{what} ({k}/{stat.total})" for what, k in (("diverged", stat.diverged), ("no data", stat.missing)) if k
+        ]
+        return ", ".join(parts) or "—"
     text = pct(stat)
-    if stat.n < seeds and not stat.diverged:
+    if stat.n < seeds and not stat.diverged and not stat.missing:
         text += f" (n={stat.n})"
+    if stat.missing:
+        text += f" ({stat.missing}/{stat.total} no data)"
     if stat.diverged:
         text += f" ({stat.diverged}/{stat.total} diverged)"
     return text
@@ -279,6 +282,8 @@ def accuracy_tables(lay: Layout) -> list[Table]:
     and HaFedHo's lead over the best baseline. With a single column, one table with a seeds column."""
     s = lay.section
     what = f"{s.metric_label} (%), mean ± std over seeds"
+    for extra in (no_data_note(s), horizon_note(s)):
+        what += f"; {extra}" if extra else ""
     final_def = f"final = mean of the last {s.last} evaluations"
     if len(lay.columns) == 1:
         col = lay.columns[0]
