@@ -372,6 +372,13 @@ def test_same_experiment_and_seed_never_counts_twice(tmp_path: Path, capsys: pyt
     (b / "config.toml").write_text(text.replace("rounds = 2", 'rounds = 2\nengine = "process"'))
     with pytest.raises(ConfigError, match="same experiment and seed 1"):
         write_report(other)
+    # centralised runs ignore the partition: two that differ only in data.q are one experiment too
+    central = tmp_path / "central"
+    for q in (0.1, 0.5):
+        make_run(central, f"c-q{q}", "fedavg", 0, [0.5, 0.6], data={"num_clients": 1, "q": q})
+    make_run(central, "fedavg-s0", "fedavg", 0, [0.2, 0.4])
+    with pytest.raises(ConfigError, match=r"c-q0.1 and .*c-q0.5 are the same experiment and seed 0"):
+        write_report(central)
 
 
 def test_empty_test_set_and_missing_metric_are_not_zero(tmp_path: Path) -> None:

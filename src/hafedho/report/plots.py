@@ -81,8 +81,9 @@ def _finish(fig: Any, axes: list[Any], out: Path, ylabel: str) -> Path | None:
     axes[0].set_ylabel(ylabel)
     rows = 0
     if labels:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
-        rows = (len(labels) + 4) // 5
+        ncol = min(len(labels), 5, max(1, int(fig.get_figwidth() / 1.8)))  # as many as fit the figure's width
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+        rows = (len(labels) + ncol - 1) // ncol
     fig.tight_layout(rect=(0, 0.04 + 0.035 * rows, 1, 1))
     fig.savefig(out)
     plt.close(fig)

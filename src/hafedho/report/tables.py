@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 
 from hafedho.config import read_toml
-from hafedho.report.runs import Group, Section, Stat, accuracy_stat, horizon_note, no_data_note, rounds_stat
+from hafedho.report.runs import (
+    Group,
+    Section,
+    Stat,
+    accuracy_stat,
+    check_seeds,
+    horizon_note,
+    no_data_note,
+    rounds_stat,
+)
 from hafedho.results import read_metrics
 
 
@@ -222,6 +231,7 @@ class Layout:
             return found[0]
         merged = Group(found[0].label, found[0].setting, found[0].hyper, found[0].reference)
         merged.runs = [r for g in found for r in g.runs]  # same row and column, other keys differ: pooled
+        check_seeds(merged.runs)  # e.g. centralised runs that differ only in partition keys they ignore
         return merged
 
     def is_reference(self, row: tuple[str, tuple]) -> bool:
