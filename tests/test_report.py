@@ -405,6 +405,7 @@ def test_empty_test_set_and_missing_metric_are_not_zero(tmp_path: Path) -> None:
     assert "no test/acc" in final.note
     summary = {r["row"]: r for r in summary_rows(section)}
     assert summary["fedavg"]["final_mean"] == pytest.approx(0.5) and summary["fedavg"]["finished"] == 1
+    assert summary["fedavg"]["no_data"] == 2
 
 
 def test_seeds_of_different_lengths_are_pooled_and_said_so(tmp_path: Path) -> None:

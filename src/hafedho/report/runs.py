@@ -7,7 +7,8 @@ folder, ...). Two runs of one experiment and seed (a Flower run beside a simulat
 a seed counts once. A group's *row* is its label (algorithm, or a variant such as ``centralized``) plus the
 hyperparameters that vary between groups of that label; its *setting* (the column) is its grid point minus the
 algorithm axes, or for plain runs its flattened config minus the algorithm; runtime settings are never an axis.
-List- and table-valued settings are kept as ``Frozen`` values (hashable, shown as ``[64]``, ``{alpha = 1}``).
+List- and table-valued settings are kept frozen (``FrozenList``, ``FrozenTable``: hashable, shown as ``[64]``,
+``{alpha = 1}``).
 """
 
 from __future__ import annotations
@@ -356,13 +357,17 @@ def horizon_note(section: Section) -> str:
     return f"seeds of different lengths pooled (rounds): {'; '.join(parts)}" if parts else ""
 
 
-def no_data_note(section: Section) -> str:
-    """``"no data = finished runs that recorded no test/acc: A (empty test set), B"`` ('' if every one did)."""
+def no_data_note(section: Section, show: int = 5) -> str:
+    """``"no data = finished runs that recorded no test/acc, never counted as 0: A (empty test set), B"``, the
+    first ``show`` of them by name ('' if every finished run recorded it)."""
     bare = [r for g in section.groups for r in g.finished() if not r.evals(section.metric)]
     if not bare:
         return ""
     why = [f"{r.dir.name} (empty test set)" if section.metric in _TEST and r.empty_test else r.dir.name for r in bare]
-    return f"no data = finished runs that recorded no {section.metric}, never counted as 0: {', '.join(why)}"
+    more = f" and {len(why) - show} more" if len(why) > show else ""
+    return (
+        f"no data = finished runs that recorded no {section.metric}, never counted as 0: {', '.join(why[:show])}{more}"
+    )
 
 
 def rounds_stat(group: Group, metric: str, target: float) -> Stat:

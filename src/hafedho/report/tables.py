@@ -531,6 +531,7 @@ def summary_rows(section: Section) -> list[dict[str, Any]]:
                     "reference": g.reference,
                     "seeds": len(g.runs),
                     "finished": fin.n,
+                    "no_data": fin.missing,
                     "diverged": fin.diverged,
                     "metric": section.metric,
                     "final_mean": fin.mean,
