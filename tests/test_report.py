@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from hafedho.cli import main
-from hafedho.config import dump_toml
+from hafedho.config import ConfigError, dump_toml
 from hafedho.report.build import write_report
 from hafedho.report.runs import Stat, final_value, load_sections, rounds_to
-from hafedho.report.tables import Layout, pct, rounds_tables, section_tables
+from hafedho.report.tables import Layout, pct, rounds_tables, section_tables, summary_rows
 
 
 def make_run(
@@ -28,6 +28,7 @@ def make_run(
     data: dict[str, Any] | None = None,
     hyper: dict[str, Any] | None = None,
     eval_every: int = 1,
+    model: dict[str, Any] | None = None,
 ) -> Path:
     """A run directory as the runner leaves it: config.toml, metrics.jsonl (test/acc every ``eval_every`` rounds,
     train/loss every round) and the done or diverged marker."""
@@ -40,6 +41,7 @@ def make_run(
         "out": str(root),
         "data": {"source": "digits", "partition": "dirichlet", "q": 0.3, "num_clients": 10, **(data or {})},
         "algorithm": {"name": alg, "lr": 0.05, alg: dict(hyper or {})},
+        **({"model": model} if model else {}),
     }
     if not cfg["algorithm"][alg]:
         del cfg["algorithm"][alg]
@@ -247,3 +249,170 @@ def test_report_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_one_seed_shows_no_spread() -> None:
     assert pct(Stat([0.5], 1)) == "50.00"
     assert pct(Stat([0.5, 0.7], 2)) == "60.00 ± 14.14"
+
+
+# ----------------------------------------------------------------------------- issue 11
+
+
+def test_report_after_demo_and_plain_run_has_no_bookkeeping_axes(tmp_path: Path) -> None:
+    """`make demo` (model.options.hidden = [64], eval/checkpoint cadence of its own) plus a plain `hafedho run`:
+    the list-valued setting is a readable column, runtime settings never become an axis or a figure."""
+    assert main(["run", "demo", "rounds=2", "--out", str(tmp_path / "demo"), "--quiet"]) == 0
+    assert main(["run", "rounds=3", "--out", str(tmp_path), "--quiet"]) == 0
+    files = write_report(tmp_path, tmp_path / "rep")
+    (section,) = load_sections(tmp_path)
+    lay = Layout.of(section)
+    assert lay.col_keys == ["model.options.hidden"]
+    assert sorted(lay.col_name(c) for c in lay.columns) == ["hidden=None", "hidden=[64]"]
+    assert not set(section.axes) & {"rounds", "eval_every", "checkpoint_every", "engine", "threads", "out"}
+    assert sorted(f.name for f in files.figures) == ["accuracy.png"]
+    assert "| algorithm | hidden=[64] | hidden=None |" in files.markdown.read_text()
+    # a run that differs in many settings at once: no figure whose every panel would hold a single point
+    assert main(["run", "smoke", "--out", str(tmp_path / "smoke"), "--quiet"]) == 0
+    files = write_report(tmp_path, tmp_path / "rep")
+    (section,) = load_sections(tmp_path)
+    assert {"data.q", "data.num_clients", "model.name"} <= set(Layout.of(section).col_keys)
+    assert sorted(f.name for f in files.figures) == ["accuracy.png"]
+
+
+def test_list_and_dict_valued_settings_and_hyperparameters(tmp_path: Path) -> None:
+    """Lists and tables as sweep axes and hyperparameters: hashable inside, readable in headers and figures."""
+    runs = []
+    for hidden, acc in (([64], 0.5), ([32, 32], 0.7)):
+        for opts in ({"alpha": 0.5}, {"alpha": 1.0}):
+            for s in range(2):
+                name = f"h{len(hidden)}-{opts['alpha']}-s{s}"
+                model, data = {"name": "mlp", "options": {"hidden": hidden}}, {"options": opts}
+                make_run(
+                    tmp_path, name, "hafedho", s, [acc, acc + 0.01 * s], hyper={"betas": hidden}, model=model, data=data
+                )
+                point = {"model.options.hidden": hidden, "data.options": opts, "rounds": 2, "eval_every": 1}
+                runs.append({"dir": name, "label": "hafedho", "seed": s, "point": point})
+    axes = ["model.options.hidden", "data.options", "rounds", "eval_every"]
+    write_index(tmp_path, "lists", runs, {"last": 1}, axes)
+    (section,) = load_sections(tmp_path)
+    assert section.axes == ["model.options.hidden", "data.options"]  # runtime axes are dropped
+    lay = Layout.of(section)
+    assert [lay.col_name(c) for c in lay.columns] == [
+        "hidden=[64], options={alpha = 0.5}",
+        "hidden=[64], options={alpha = 1}",
+        "hidden=[32, 32], options={alpha = 0.5}",
+        "hidden=[32, 32], options={alpha = 1}",
+    ]
+    final = next(t for t in section_tables(section) if t.slug == "final")
+    assert [c.text for c in final.rows[0][1:]] == ["50.50 ± 0.71", "50.50 ± 0.71", "70.50 ± 0.71", "70.50 ± 0.71"]
+    files = write_report(tmp_path, tmp_path / "rep")
+    assert [f.name for f in files.figures] == ["accuracy.png"]
+
+
+def test_sweep_with_variants_all_diverged_cells_and_a_stray_partial_run(tmp_path: Path) -> None:
+    """A grid axis plus [[variants]], cells whose every seed diverged, and a stray partial run folder next to
+    the sweep: the report is written; a figure with nothing to draw is not, and empty panels carry no legend."""
+    runs = []
+    for q in (0.1, 0.5):
+        for alg in ("hafedho", "fedavg"):
+            for s in range(2):
+                name = f"{alg}-q{q}-s{s}"
+                diverged = alg == "hafedho" and q == 0.5
+                make_run(tmp_path, name, alg, s, [0.3, 0.4], status="diverged" if diverged else "done", data={"q": q})
+                runs.append({"dir": name, "label": alg, "seed": s, "point": {"data.q": q}})
+        for s in range(2):  # a variant crossed with the grid axis, every seed diverged at q=0.1
+            name = f"fast-q{q}-s{s}"
+            status = "diverged" if q == 0.1 else "done"
+            make_run(tmp_path, name, "fedavg", s, [0.2, 0.5], status=status, data={"q": q}, hyper={"x": 1})
+            runs.append({"dir": name, "label": "fast", "seed": s, "point": {"data.q": q}})
+    for s in range(2):  # a reference variant crossed with nothing
+        name = f"centralized-s{s}"
+        make_run(tmp_path, name, "fedavg", s, [0.8, 0.9], data={"num_clients": 1})
+        runs.append({"dir": name, "label": "centralized", "seed": s, "point": {}, "reference": True})
+    write_index(tmp_path, "v", runs, {"last": 1}, ["data.q", "algorithm.name"])
+    stray = make_run(tmp_path / "stray", "fedavg-s9", "fedavg", 9, [0.1], status="incomplete")
+    (stray / "metrics.jsonl").write_text('{"round": 1, "train/loss": 2.0}\n')  # stopped before any evaluation
+    files = write_report(tmp_path, tmp_path / "rep")
+    names = sorted(f.name for f in files.figures)
+    assert names == ["v-cpu_accuracy.png", "v-cpu_vs_q.png"]  # the stray run's section has nothing to draw
+    md = files.markdown.read_text()
+    assert "diverged (2/2)" in md and "| incomplete | 1 |" in md
+
+
+def test_last_must_be_positive_and_unknown_metric_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for s in range(2):
+        make_run(tmp_path, f"fedavg-s{s}", "fedavg", s, [0.2, 0.4, 0.5])
+    for bad in ("-3", "0"):
+        assert main(["report", str(tmp_path), "--last", bad]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err.strip() == f"hafedho: error: --last {bad}: must be at least 1 (final = mean of the last N evaluations)"
+        )
+    with pytest.raises(ConfigError, match="--last -3"):
+        write_report(tmp_path, last=-3)
+    assert main(["report", str(tmp_path), "--metric", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--metric nope" in err and "test/acc, train/loss" in err
+    assert main(["report", str(tmp_path), "--metric", "train/loss", "--out", str(tmp_path / "rep")]) == 0
+
+
+def test_same_experiment_and_seed_never_counts_twice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Flower run and a simulator run of the same experiment and seed are one seed, not "2 seeds, ± 0.00"."""
+    make_run(tmp_path, "fedavg-digits-s0", "fedavg", 0, [0.2, 0.4])
+    flower = make_run(tmp_path / "flower", "fedavg-digits-s0", "fedavg", 0, [0.2, 0.4])
+    (flower / "run.json").write_text(json.dumps({"engine": "flower"}))
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "same experiment and seed 0" in err and "flower" in err
+    assert str(tmp_path / "fedavg-digits-s0") in err and str(flower) in err
+    assert main(["report", str(tmp_path / "flower"), "--out", str(tmp_path / "rep")]) == 0  # on its own: fine
+    # engines (and other runtime settings) do not make another experiment either
+    other = tmp_path / "other"
+    make_run(other, "a", "fedavg", 1, [0.2, 0.4])
+    b = make_run(other / "b", "a", "fedavg", 1, [0.2, 0.4])
+    text = (b / "config.toml").read_text()
+    (b / "config.toml").write_text(text.replace("rounds = 2", 'rounds = 2\nengine = "process"'))
+    with pytest.raises(ConfigError, match="same experiment and seed 1"):
+        write_report(other)
+    # centralised runs ignore the partition: two that differ only in data.q are one experiment too
+    central = tmp_path / "central"
+    for q in (0.1, 0.5):
+        make_run(central, f"c-q{q}", "fedavg", 0, [0.5, 0.6], data={"num_clients": 1, "q": q})
+    make_run(central, "fedavg-s0", "fedavg", 0, [0.2, 0.4])
+    with pytest.raises(ConfigError, match=r"c-q0.1 and .*c-q0.5 are the same experiment and seed 0"):
+        write_report(central)
+
+
+def test_empty_test_set_and_missing_metric_are_not_zero(tmp_path: Path) -> None:
+    """A run evaluated on an empty test set (acc 0, loss 0: no example to measure) and a run that never recorded
+    the metric count as no data, named in the table note, never as 0%."""
+    make_run(tmp_path, "fedavg-s0", "fedavg", 0, [0.4, 0.6])
+    empty = make_run(tmp_path, "fedavg-s1", "fedavg", 1, [0.0, 0.0])
+    rows = [json.loads(line) for line in (empty / "metrics.jsonl").read_text().splitlines()]
+    (empty / "metrics.jsonl").write_text("".join(json.dumps({**r, "test/loss": 0.0}) + "\n" for r in rows))
+    bare = make_run(tmp_path, "fedavg-s2", "fedavg", 2, [0.5, 0.5])
+    rows = [json.loads(line) for line in (bare / "metrics.jsonl").read_text().splitlines()]
+    (bare / "metrics.jsonl").write_text("".join(json.dumps({"round": r["round"]}) + "\n" for r in rows))
+    make_run(tmp_path, "hafedho-s0", "hafedho", 0, [0.0, 0.0])  # a real 0% is still 0%
+    hrows = [json.loads(line) for line in (tmp_path / "hafedho-s0" / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "hafedho-s0" / "metrics.jsonl").write_text(
+        "".join(json.dumps({**r, "test/loss": 9.0}) + "\n" for r in hrows)
+    )
+    (section,) = load_sections(tmp_path)
+    final = next(t for t in section_tables(section) if t.slug == "final")
+    cells = {r[0].text: r for r in final.rows}
+    assert cells["fedavg"][1].text == "3" and cells["fedavg"][2].text == "50.00 (2/3 no data)"
+    assert cells["hafedho"][2].text == "0.00 (n=1)"
+    assert "fedavg-s1 (empty test set)" in final.note and "fedavg-s2" in final.note
+    assert "no test/acc" in final.note
+    summary = {r["row"]: r for r in summary_rows(section)}
+    assert summary["fedavg"]["final_mean"] == pytest.approx(0.5) and summary["fedavg"]["finished"] == 1
+    assert summary["fedavg"]["no_data"] == 2
+
+
+def test_seeds_of_different_lengths_are_pooled_and_said_so(tmp_path: Path) -> None:
+    """``rounds`` is the horizon, not an axis: seeds that ran 2 and 4 rounds are one row, and the note says so."""
+    make_run(tmp_path, "fedavg-s0", "fedavg", 0, [0.2, 0.4])
+    make_run(tmp_path, "fedavg-s1", "fedavg", 1, [0.2, 0.4, 0.5, 0.6])
+    (section,) = load_sections(tmp_path)
+    final = next(t for t in section_tables(section) if t.slug == "final")
+    assert [r[1].text for r in final.rows] == ["2"]
+    assert "seeds of different lengths pooled (rounds): fedavg 2, 4" in final.note

@@ -63,17 +63,27 @@ def _colors(rows: list[Any]) -> dict[Any, Any]:
     return {r: cmap(i % cmap.N) for i, r in enumerate(rows)}
 
 
-def _finish(fig: Any, axes: list[Any], out: Path, ylabel: str) -> Path:
+def _finish(fig: Any, axes: list[Any], out: Path, ylabel: str) -> Path | None:
+    """Grid, shared legend and file; a figure with nothing drawn is not written (None), a panel with nothing
+    drawn says so and adds nothing to the legend."""
     handles, labels = [], []
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
+        if not ax.has_data():
+            ax.text(0.5, 0.5, "no finished runs", ha="center", va="center", transform=ax.transAxes, color="0.5")
         ax.grid(alpha=0.3)
+    if not any(ax.has_data() for ax in axes):
+        plt.close(fig)
+        return None
     axes[0].set_ylabel(ylabel)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
-    rows = (len(labels) + 4) // 5
+    rows = 0
+    if labels:
+        ncol = min(len(labels), 5, max(1, int(fig.get_figwidth() / 1.8)))  # as many as fit the figure's width
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+        rows = (len(labels) + ncol - 1) // ncol
     fig.tight_layout(rect=(0, 0.04 + 0.035 * rows, 1, 1))
     fig.savefig(out)
     plt.close(fig)
@@ -130,6 +140,14 @@ def _xscale(ax: Any, xs: list[float]) -> None:
             ax.set_xscale("symlog", linthresh=min(pos))
 
 
+def _mark_diverged(ax: Any, diverged: list[tuple[list[Any], Any, str]]) -> None:
+    """x marks at the bottom edge (never at a value such as 0%), once the finished points set the scale."""
+    lo, hi = ax.get_ylim()
+    for bad, color, name in diverged:
+        ax.plot(bad, [lo] * len(bad), "x", color=color, ms=9, mew=2, label=name, clip_on=False)
+    ax.set_ylim(lo, hi)
+
+
 def versus_setting(lay: Layout, key: str, out: str | Path) -> Path | None:
     """Final metric vs a numeric setting (e.g. Dirichlet q), one line per row, one panel per other setting;
     error bars are ±1 std over seeds. References (e.g. centralised) appear as dotted lines."""
@@ -141,11 +159,14 @@ def versus_setting(lay: Layout, key: str, out: str | Path) -> Path | None:
         if p not in panels:
             panels.append(p)
     xs = sorted({col[key] for col in lay.columns})
+    if all(sum(all(col[k] == v for k, v in p.items()) for col in lay.columns) < 2 for p in panels):
+        return None  # every panel would hold one point: nothing to read off against the setting
     fig, axes = _panels(len(panels))
     colors = _colors(lay.rows)
     for ax, panel in zip(axes, panels, strict=True):
+        diverged = []
         for r in lay.rows:
-            pts = []
+            pts, bad = [], []
             for x in xs:
                 g = lay.group_at(r, {**panel, key: x})
                 if g is None:
@@ -154,11 +175,14 @@ def versus_setting(lay: Layout, key: str, out: str | Path) -> Path | None:
                 if st.n:
                     pts.append((x, st.mean * 100, st.std * 100))
                 elif st.diverged:
-                    ax.plot([x], [0], "x", color=colors[r], ms=8)
+                    bad.append(x)
             if pts:
                 x, y, e = zip(*pts, strict=True)
                 fmt = "o:" if lay.is_reference(r) else "o-"
                 ax.errorbar(x, y, yerr=e, fmt=fmt, color=colors[r], label=lay.row_name(r), capsize=3, ms=4, lw=1.2)
+            if bad:
+                diverged.append((bad, colors[r], f"{lay.row_name(r)}: diverged"))
+        _mark_diverged(ax, diverged)
         _xscale(ax, xs)
         names = s.names()
         ax.set_title(
@@ -206,10 +230,7 @@ def versus_hyper(lay: Layout, label: str, key: str, out: str | Path) -> Path | N
                 ax.errorbar(x, y, yerr=e, fmt="o-", color=colors[rest], label=name, capsize=3, ms=4, lw=1.2)
             if bad:
                 diverged.append((bad, colors[rest], f"{name}: diverged"))
-        lo, hi = ax.get_ylim()
-        for bad, color, name in diverged:  # at the bottom edge, once the finished points set the scale
-            ax.plot(bad, [lo] * len(bad), "x", color=color, ms=9, mew=2, label=name, clip_on=False)
-        ax.set_ylim(lo, hi)
+        _mark_diverged(ax, diverged)
         _xscale(ax, sorted(set(xs_all)))
         ax.set_title(lay.col_name(col) if lay.col_keys else s.title, fontsize=9)
         ax.set_xlabel(f"{label} {key.rsplit('.', 1)[-1]}")
@@ -223,7 +244,7 @@ def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Pa
     if (p := section_curves(lay, out_dir / f"{prefix}accuracy.png")) is not None:
         made.append(p)
     for key in lay.col_keys:
-        values = {col[key] for col in lay.columns}
+        values = {col[key] for col in lay.columns}  # hashable: lists and tables are frozen (runs.freeze)
         if len(values) > 1 and all(_is_number(v) for v in values):
             short = key.rsplit(".", 1)[-1]
             if (p := versus_setting(lay, key, out_dir / f"{prefix}vs_{short}.png")) is not None:

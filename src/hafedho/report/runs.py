@@ -1,10 +1,14 @@
 """Run directories -> sections of groups (one group = one config over seeds), the input of every table and plot.
 
 A section is one sweep (``OUT/sweeps/PRESET.json`` names its runs, their labels and grid points) or, for run
-directories no sweep lists, all of them together. Within a section, runs are grouped by their config minus
-``seed``/``name``/``out``. A group's *row* is its label (algorithm, or a variant such as ``centralized``) plus
-the hyperparameters that vary between groups of that label; its *setting* (the column) is its grid point minus
-the algorithm axes, or for plain runs its flattened config minus the algorithm.
+directories no sweep lists, all of them together. Within a section, runs are grouped by their experiment: the
+config minus ``seed`` and the runtime settings (``hafedho.config.RUNTIME_KEYS``: engine, cadence, horizon, output
+folder, ...). Two runs of one experiment and seed (a Flower run beside a simulator run, two engines) are refused:
+a seed counts once. A group's *row* is its label (algorithm, or a variant such as ``centralized``) plus the
+hyperparameters that vary between groups of that label; its *setting* (the column) is its grid point minus the
+algorithm axes, or for plain runs its flattened config minus the algorithm; runtime settings are never an axis.
+List- and table-valued settings are kept frozen (``FrozenList``, ``FrozenTable``: hashable, shown as ``[64]``,
+``{alpha = 1}``).
 """
 
 from __future__ import annotations
@@ -17,11 +21,46 @@ from typing import Any
 
 import numpy as np
 
-from hafedho.config import read_toml
+from hafedho.config import RUNTIME_KEYS, ConfigError, read_toml
 from hafedho.results import read_metrics
 
 # A centralised plain run (one client holding everything) ignores these keys, so it matches every column.
 _CENTRAL_FREE = ("data.partition", "data.q", "data.num_clients", "data.min_size", "data.partition_seed")
+# The global test metrics; a row with both exactly 0 was measured on no example (cross-entropy is > 0 on any
+# misclassified example), so it is no data, never 0%.
+_TEST = ("test/acc", "test/loss")
+
+
+class FrozenList(tuple):
+    """A list-valued setting as a hashable value that reads like TOML: ``[64, 64]``."""
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(_text(v) for v in self) + "]"
+
+
+class FrozenTable(tuple):
+    """A table-valued setting as hashable sorted ``(key, value)`` pairs that reads like TOML: ``{alpha = 1}``."""
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(f"{k} = {_text(v)}" for k, v in self) + "}"
+
+
+def _text(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else f'"{v}"' if isinstance(v, str) else str(v)
+
+
+def freeze(value: Any) -> Any:
+    """Lists and tables (at any depth) as hashable values that compare equal when their contents do."""
+    if isinstance(value, list | tuple) and not isinstance(value, FrozenList | FrozenTable):
+        return FrozenList(freeze(v) for v in value)
+    if isinstance(value, dict):
+        return FrozenTable(sorted((str(k), freeze(v)) for k, v in value.items()))
+    return value
+
+
+def is_runtime(key: str) -> bool:
+    """A (dotted) setting that says how, where or how long a run ran, never what it computes."""
+    return key.split(".")[0] in RUNTIME_KEYS
 
 
 @dataclass
@@ -34,10 +73,22 @@ class Run:
     label: str = ""
     setting: dict[str, Any] = field(default_factory=dict)
     reference: bool = False
+    engine: str = ""  # where it ran: "flower" (run.json) or the simulator's engine (config)
 
     def evals(self, metric: str) -> list[tuple[int, float]]:
-        """(round, value) of every evaluated round that has ``metric``."""
-        return [(int(r["round"]), float(r[metric])) for r in self.rows if r.get(metric) is not None]
+        """(round, value) of every evaluated round that has ``metric``; a global test metric measured on an empty
+        test set (acc and loss both 0) is no value."""
+        return [
+            (int(r["round"]), float(r[metric]))
+            for r in self.rows
+            if r.get(metric) is not None and not (metric in _TEST and all(r.get(k) == 0 for k in _TEST))
+        ]
+
+    @property
+    def empty_test(self) -> bool:
+        """Every evaluation it made saw an empty test set."""
+        evaluated = [r for r in self.rows if r.get("test/acc") is not None]
+        return bool(evaluated) and not self.evals("test/acc")
 
 
 @dataclass
@@ -114,11 +165,35 @@ def read_run(run_dir: Path) -> Run:
     else:
         status, message = "incomplete", ""
     config = read_toml(cfg_path)
-    return Run(run_dir, config, rows, status, message, label=str(config.get("algorithm", {}).get("name", "?")))
+    run = Run(run_dir, config, rows, status, message, label=str(config.get("algorithm", {}).get("name", "?")))
+    try:
+        marker = json.loads((run_dir / "run.json").read_text()).get("engine")
+    except (OSError, ValueError, AttributeError):
+        marker = None
+    run.engine = str(marker or config.get("engine", "loop"))
+    return run
 
 
 def _canonical(config: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in config.items() if k not in ("seed", "name", "out")}, sort_keys=True)
+    """The experiment a config runs (what changes the trained model): everything but the seed and runtime keys."""
+    return json.dumps({k: v for k, v in config.items() if k != "seed" and k not in RUNTIME_KEYS}, sort_keys=True)
+
+
+def check_seeds(runs: list[Run]) -> None:
+    """Refuse two runs of one experiment and seed: averaged as two seeds they would shrink the spread to ± 0."""
+    seen: dict[Any, Run] = {}
+    for run in runs:
+        if not run.config:
+            continue
+        seed = run.config.get("seed")
+        if seed in seen:
+            first = seen[seed]
+            where = f"{first.engine} and {run.engine}" if first.engine != run.engine else f"both {run.engine}"
+            raise ConfigError(
+                f"{first.dir} and {run.dir} are the same experiment and seed {seed} ({where}); a seed counts once: "
+                "move one of them out of the folder you report, or report each folder on its own"
+            )
+        seen[seed] = run
 
 
 def _group(runs: list[Run]) -> list[Group]:
@@ -127,8 +202,10 @@ def _group(runs: list[Run]) -> list[Group]:
         key = (run.label, _canonical(run.config) if run.config else run.dir.name)
         if key not in groups:
             hyper = hyperparameters(run.config) if run.config else {}
-            groups[key] = Group(run.label, run.setting, hyper, run.reference)
+            groups[key] = Group(run.label, run.setting, {k: freeze(v) for k, v in hyper.items()}, run.reference)
         groups[key].runs.append(run)
+    for g in groups.values():
+        check_seeds(g.runs)
     return list(groups.values())
 
 
@@ -137,13 +214,13 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
     base = index_path.parent.parent
     report = dict(index.get("report", {}))
     row_axes = set(index.get("row_axes", []))
-    axes = [a for a in index.get("axes", []) if a not in row_axes]
+    axes = [a for a in index.get("axes", []) if a not in row_axes and not is_runtime(a)]
     runs, used = [], set()
     for entry in index.get("runs", []):
         run = read_run(base / entry["dir"])
         used.add(run.dir.resolve())
         run.label, run.reference = entry.get("label", run.label), bool(entry.get("reference", False))
-        run.setting = {k: v for k, v in entry.get("point", {}).items() if k in axes}
+        run.setting = {k: freeze(v) for k, v in entry.get("point", {}).items() if k in axes}
         if run.status == "missing" and entry["dir"] in index.get("failed", {}):
             run.message = index["failed"][entry["dir"]]
         runs.append(run)
@@ -155,7 +232,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
         description=str(index.get("description", "")),
         metric=metric or str(report.get("metric", "test/acc")),
         metric_label=metric or str(report.get("metric_label", "test accuracy")),
-        last=last or int(report.get("last", 10)),
+        last=last if last is not None else _positive(report.get("last", 10), f"{index_path}: report.last"),
         report=report,
         axes=axes,
         named_axes={a for a in axes if "." not in a},
@@ -169,11 +246,11 @@ def _plain_section(run_dirs: list[Path], metric: str | None, last: int | None) -
     runs = [read_run(d) for d in run_dirs]
     for run in runs:
         cfg = run.config
-        setting = flatten({k: v for k, v in cfg.items() if k not in ("seed", "name", "out", "algorithm")})
+        setting = flatten({k: v for k, v in cfg.items() if k not in ("seed", "algorithm") and k not in RUNTIME_KEYS})
         if cfg.get("data", {}).get("num_clients") == 1:  # one client holding all data: centralised training
             run.label, run.reference = "centralized", True
             setting = {k: v for k, v in setting.items() if k not in _CENTRAL_FREE and not k.startswith("sampling.")}
-        run.setting = setting
+        run.setting = {k: freeze(v) for k, v in setting.items()}
     axes = sorted({k for r in runs for k in r.setting})
     return Section(
         name="runs",
@@ -181,7 +258,7 @@ def _plain_section(run_dirs: list[Path], metric: str | None, last: int | None) -
         description="",
         metric=metric or "test/acc",
         metric_label=metric or "test accuracy",
-        last=last or 10,
+        last=last if last is not None else 10,
         report={},
         axes=axes,
         named_axes=set(),
@@ -190,7 +267,10 @@ def _plain_section(run_dirs: list[Path], metric: str | None, last: int | None) -
 
 
 def load_sections(root: str | Path, metric: str | None = None, last: int | None = None) -> list[Section]:
-    """One section per sweep index under ``root``, then one for the run directories no sweep lists."""
+    """One section per sweep index under ``root``, then one for the run directories no sweep lists. ``metric``
+    must be recorded by some run; ``last`` must be at least 1."""
+    if last is not None:
+        _positive(last, "--last")
     root = Path(root)
     sections, used = [], set()
     for index_path in sorted(root.rglob("sweeps/*.json")):
@@ -202,7 +282,21 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
     )
     if plain:
         sections.append(_plain_section(plain, metric, last))
+    if metric is not None and sections:
+        known = sorted(
+            {k for s in sections for g in s.groups for r in g.runs for row in r.rows for k in row} - {"round"}
+        )
+        if metric not in known:
+            raise ConfigError(
+                f"--metric {metric}: no run under {root} records it; metrics available: {', '.join(known) or 'none'}"
+            )
     return sections
+
+
+def _positive(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} {value}: must be at least 1 (final = mean of the last N evaluations)")
+    return value
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -229,6 +323,7 @@ class Stat:
     values: list[float]
     total: int
     diverged: int = 0
+    missing: int = 0  # finished runs that recorded no value of the metric (never counted as 0)
 
     @property
     def n(self) -> int:
@@ -244,13 +339,39 @@ class Stat:
 
 
 def accuracy_stat(group: Group, metric: str, last: int, kind: str = "final") -> Stat:
-    """Final (or best) value over finished seeds; diverged seeds are counted, never averaged."""
-    values = []
+    """Final (or best) value over finished seeds; diverged seeds and finished ones without the metric are
+    counted, never averaged."""
+    values, missing = [], 0
     for run in group.finished():
         evals = run.evals(metric)
         if evals:
             values.append(final_value(evals, last) if kind == "final" else best_value(evals))
-    return Stat(values, len(group.runs), len(group.diverged()))
+        else:
+            missing += 1
+    return Stat(values, len(group.runs), len(group.diverged()), missing)
+
+
+def horizon_note(section: Section) -> str:
+    """Groups whose finished seeds ran different numbers of rounds (``rounds`` is a horizon, not an axis)."""
+    parts = []
+    for g in section.groups:
+        lengths = sorted({int(r.config.get("rounds", 0)) for r in g.finished()})
+        if len(lengths) > 1:
+            parts.append(f"{g.label} {', '.join(map(str, lengths))}")
+    return f"seeds of different lengths pooled (rounds): {'; '.join(parts)}" if parts else ""
+
+
+def no_data_note(section: Section, show: int = 5) -> str:
+    """``"no data = finished runs that recorded no test/acc, never counted as 0: A (empty test set), B"``, the
+    first ``show`` of them by name ('' if every finished run recorded it)."""
+    bare = [r for g in section.groups for r in g.finished() if not r.evals(section.metric)]
+    if not bare:
+        return ""
+    why = [f"{r.dir.name} (empty test set)" if section.metric in _TEST and r.empty_test else r.dir.name for r in bare]
+    more = f" and {len(why) - show} more" if len(why) > show else ""
+    return (
+        f"no data = finished runs that recorded no {section.metric}, never counted as 0: {', '.join(why[:show])}{more}"
+    )
 
 
 def rounds_stat(group: Group, metric: str, target: float) -> Stat:

@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 
 from hafedho.config import read_toml
-from hafedho.report.runs import Group, Section, Stat, accuracy_stat, rounds_stat
+from hafedho.report.runs import (
+    Group,
+    Section,
+    Stat,
+    accuracy_stat,
+    check_seeds,
+    horizon_note,
+    no_data_note,
+    rounds_stat,
+)
 from hafedho.results import read_metrics
 
 
@@ -222,6 +231,7 @@ class Layout:
             return found[0]
         merged = Group(found[0].label, found[0].setting, found[0].hyper, found[0].reference)
         merged.runs = [r for g in found for r in g.runs]  # same row and column, other keys differ: pooled
+        check_seeds(merged.runs)  # e.g. centralised runs that differ only in partition keys they ignore
         return merged
 
     def is_reference(self, row: tuple[str, tuple]) -> bool:
@@ -263,12 +273,15 @@ class Layout:
 
 def _acc_cell(stat: Stat, seeds: int) -> str:
     if stat.n == 0:
-        if stat.diverged:
-            return f"diverged ({stat.diverged}/{stat.total})"
-        return "—"
+        parts = [
+            f"{what} ({k}/{stat.total})" for what, k in (("diverged", stat.diverged), ("no data", stat.missing)) if k
+        ]
+        return ", ".join(parts) or "—"
     text = pct(stat)
-    if stat.n < seeds and not stat.diverged:
+    if stat.n < seeds and not stat.diverged and not stat.missing:
         text += f" (n={stat.n})"
+    if stat.missing:
+        text += f" ({stat.missing}/{stat.total} no data)"
     if stat.diverged:
         text += f" ({stat.diverged}/{stat.total} diverged)"
     return text
@@ -279,6 +292,8 @@ def accuracy_tables(lay: Layout) -> list[Table]:
     and HaFedHo's lead over the best baseline. With a single column, one table with a seeds column."""
     s = lay.section
     what = f"{s.metric_label} (%), mean ± std over seeds"
+    for extra in (no_data_note(s), horizon_note(s)):
+        what += f"; {extra}" if extra else ""
     final_def = f"final = mean of the last {s.last} evaluations"
     if len(lay.columns) == 1:
         col = lay.columns[0]
@@ -516,6 +531,7 @@ def summary_rows(section: Section) -> list[dict[str, Any]]:
                     "reference": g.reference,
                     "seeds": len(g.runs),
                     "finished": fin.n,
+                    "no_data": fin.missing,
                     "diverged": fin.diverged,
                     "metric": section.metric,
                     "final_mean": fin.mean,
