@@ -37,6 +37,7 @@ from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.moon import MOON, ClientState, model_contrastive_loss
 from hafedho.core import ClientData, ConfigError, FunctionalModel, tree
 from hafedho.models import MLP, build_model
+from hafedho.sweep import expand, list_presets, load_preset
 
 TAU = 0.5
 
@@ -248,3 +249,21 @@ def test_empty_round_and_bad_hyperparameters() -> None:
         MOON(mu=-1.0)
     with pytest.raises(ConfigError, match=r"^algorithm\.weighting='size': choose one of 'data_size', 'uniform'$"):
         MOON(weighting="size")
+
+
+@pytest.mark.parametrize("scale", ["cpu", "full"])
+def test_paper_presets_give_every_row_the_same_network_with_moons_head(scale: str) -> None:
+    """MOON's protocol: one network for all methods of a comparison, projection head included. In every paper
+    preset the runs on one data source share one model config, and every image model carries the 256-d head
+    (logistic regression, FedProx's synthetic setting, has no encoder and no head)."""
+    for name in list_presets():
+        models: dict[str, set] = {}
+        for spec in expand(load_preset(name, scale), seeds=1):
+            model = spec.cfg.model
+            models.setdefault(spec.cfg.data.source, set()).add(
+                (model.name, tuple(sorted((model.options or {}).items())))
+            )
+        for source, seen in models.items():
+            assert len(seen) == 1, (name, source, seen)
+            ((model_name, options),) = seen
+            assert dict(options).get("projection") == (0 if model_name == "logreg" else 256), (name, source)
