@@ -34,11 +34,11 @@ Previous model: ``init_client`` stores the initial global model w^0, so in round
 constant log 2 and carries no gradient: round 1 is FedAvg's bit for bit (a test) when each client runs on its own
 (loop and process engines, Flower) and the model has no dropout (the two extra forwards draw dropout masks of
 their own). Under the vmap engine z_prev comes from per-client (batched) weights and z_glob from shared ones, so
-they can differ by float rounding, and round 1 then equals FedAvg's up to float rounding.
-The official code (github.com/QinbinLi/MOON, ``main.py``) gets the same
-round 1 differently: its previous-model pool is still empty (``load_first_net`` builds the copy but never appends
-it), so its l_con has no negative and is 0. A client first sampled in a later round contrasts against w^0 here;
-the official code uses that client's own random initialisation (every party net is initialised separately).
+they can differ by float rounding, and round 1 then equals FedAvg's up to float rounding. The official code
+(github.com/QinbinLi/MOON, ``main.py``) gets the same round 1 differently: its previous-model pool is still
+empty (``load_first_net`` builds the copy but never appends it), so its l_con has no negative and is 0. A
+client first sampled in a later round contrasts against w^0 here; the official code uses that client's own
+random initialisation (every party net is initialised separately).
 Other differences of the official code: SGD momentum 0.9 and weight decay 1e-5 (here: plain SGD, weight decay in
 the model loss, as FedAvg); global and previous nets run in eval mode (here: the module's current mode, which
 differs only for dropout, i.e. ``femnist_cnn``); a FIFO pool of ``model_buffer_size`` previous models, default 1
