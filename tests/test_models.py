@@ -9,6 +9,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
+from hafedho.config import CONFIG_DIR, load_config
+from hafedho.core import ConfigError, FunctionalModel
+from hafedho.experiment import build
 from hafedho.models import MODELS, build_model, count_flops, num_params
 
 # (name, input shape, classes) each model is meant for.
@@ -153,4 +156,74 @@ def test_unknown_model_and_option() -> None:
 def test_wrong_input_shape(name: str, shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match=re.escape(f"model '{name}' cannot take input shape {shape}")) as err:
         build_model(name, shape, 10)
+    assert "\n" not in str(err.value)
+
+
+# --- MOON's projection head (model option ``projection``) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "shape", "classes"), CASES)
+def test_projection_head_is_z_and_feeds_the_output_layer(name: str, shape: tuple[int, ...], classes: int) -> None:
+    """projection = 16 inserts Linear(d, d) ReLU Linear(d, 16) between the encoder (its z of width d) and the
+    output layer: z becomes 16-d, the output layer takes 16 inputs, and d*d + d + 16*d + 16 + (16 - d)*classes
+    parameters are added. The output layer stays the last two parameters (pFedAFM's head contract)."""
+    torch.manual_seed(0)
+    plain = build_model(name, shape, classes)
+    torch.manual_seed(0)
+    model = build_model(name, shape, classes, projection=16).eval()
+    d = FEATURE_DIM.get(name, 60)
+    assert num_params(model) - num_params(plain) == d * d + d + 16 * d + 16 + (16 - d) * classes
+    x = torch.randn(2, *shape)
+    fm = FunctionalModel(model)
+    with torch.no_grad():
+        z, logits = model(x, return_features=True)
+        assert z.shape == (2, 16) and logits.shape == (2, classes)
+        torch.testing.assert_close(fm.head(fm.params(), z), logits, rtol=0, atol=0)
+        torch.testing.assert_close(model(x), logits, rtol=0, atol=0)
+    names = [k for k, _ in model.named_parameters()]
+    assert names[-2:] == list(fm.head_names) and model.get_parameter(names[-2]).shape == (classes, 16)
+    assert [k for k in names if "proj" in k][-1].endswith("proj.2.bias")
+
+
+def test_projection_zero_is_the_plain_model() -> None:
+    torch.manual_seed(0)
+    a = build_model("lenet5", (3, 32, 32), 10)
+    torch.manual_seed(0)
+    b = build_model("lenet5", (3, 32, 32), 10, projection=0)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+# --- model options are type-checked like hyperparameters --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"hidden": "64"}, "model.options.hidden='64': expected a list of int, e.g. model.options.hidden=[64]"),
+        ({"hidden": 64}, "model.options.hidden=64: expected a list of int, e.g. model.options.hidden=[64]"),
+        ({"hidden": [64.7]}, "model.options.hidden[0]=64.7: expected int, got float"),
+        ({"hidden": [64, True]}, "model.options.hidden[1]=True: expected int, got bool"),
+        ({"projection": "8"}, "model.options.projection='8': expected int, got str"),
+        ({"projection": 8.0}, "model.options.projection=8.0: expected int, got float"),
+        ({"projection": -1}, "model 'mlp': projection must be an integer >= 0 (got -1); 0 = no head"),
+    ],
+)
+def test_model_options_are_type_checked(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build_model("mlp", (6,), 4, **options)
+
+
+def test_list_options_are_taken_as_given() -> None:
+    """hidden = [64] (a TOML list) builds a 6-64-4 network; a tuple is accepted too."""
+    for hidden in ([64], (64,)):
+        model = build_model("mlp", (6,), 4, hidden=hidden)
+        assert [tuple(p.shape) for p in model.parameters()] == [(64, 6), (64,), (4, 64), (4,)]
+    with pytest.raises(ValueError, match=r"^model\.options\.groups=2\.0: expected int, got float$"):
+        build_model("resnet18_gn", (3, 32, 32), 10, groups=2.0)
+
+
+def test_bad_model_option_in_a_config_is_one_config_error_line() -> None:
+    cfg = load_config(CONFIG_DIR / "smoke.toml", ["model.name='mlp'", "model.options.hidden='64'"])
+    with pytest.raises(ConfigError, match=r"^model: model\.options\.hidden='64': expected a list of int") as err:
+        build(cfg)
     assert "\n" not in str(err.value)

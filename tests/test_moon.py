@@ -36,7 +36,8 @@ from torch.func import grad
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.moon import MOON, ClientState, model_contrastive_loss
 from hafedho.core import ClientData, ConfigError, FunctionalModel, tree
-from hafedho.models import MLP
+from hafedho.models import MLP, build_model
+from hafedho.sweep import expand, list_presets, load_preset
 
 TAU = 0.5
 
@@ -124,7 +125,7 @@ def test_previous_equal_to_global_carries_no_gradient() -> None:
     msg = alg.broadcast(alg.init_server(w2(1.0, 1.0)), rnd(1, 1))
     res = alg.client_update(msg, alg.init_client(w2(1.0, 1.0)), toy_data(), info(0.5), rnd(1, 1), toy)
     ref = FedAvg(lr=1.0).client_update(msg, (), toy_data(), info(0.5), rnd(1, 1), toy)
-    assert torch.allclose(res.upload.delta["w"], ref.upload.delta["w"], atol=1e-7)
+    assert torch.equal(res.upload.delta["w"], ref.upload.delta["w"])  # bit for bit: the two terms cancel exactly
     assert float(res.metrics["train/objective"]) == pytest.approx(float(res.metrics["train/loss"]) + 0.6931472)
 
 
@@ -156,9 +157,9 @@ def test_previous_model_is_kept_while_skipping_and_replaced_after_training() -> 
     states = {i: alg.init_client(W0) for i in SIZES}
     msg1 = alg.broadcast(server, rnd(1, 2))
     server, r1 = run_round(alg, server, states, COHORTS[0], 1, **ON_NET)
-    # round 1: prev = w^0 = global, the contrastive term has no gradient: the round is FedAvg's (up to rounding)
+    # round 1: prev = w^0 = global, the contrastive term has no gradient: the round is FedAvg's, bit for bit
     fs, _ = run_round(fed, fed.init_server(W0), {i: () for i in SIZES}, COHORTS[0], 1, **ON_NET)
-    assert all(torch.allclose(server.params[k], fs.params[k], atol=1e-6) for k in W0)
+    assert all(torch.equal(server.params[k], fs.params[k]) for k in W0)
     for i in COHORTS[0]:  # the previous model is now the client's final local model w^t + Delta_i
         assert all(torch.equal(tree.sub(states[i].prev, msg1.params)[k], r1[i].upload.delta[k]) for k in W0)
     assert all(torch.equal(states[2].prev[k], W0[k]) for k in W0)  # never sampled: still w^0
@@ -171,6 +172,53 @@ def test_previous_model_is_kept_while_skipping_and_replaced_after_training() -> 
     # client 1 now contrasts against its round-1 model: its update differs from FedAvg's
     plain = fed.client_update(msg2, (), DATA[1], info(0.3, 3.0), rnd(2, 2), NET)
     assert not torch.allclose(r2[1].upload.delta["head.weight"], plain.upload.delta["head.weight"], atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "shape"), [("mlp", (6,)), ("lenet5", (3, 32, 32)), ("resnet18_gn", (3, 8, 8))])
+def test_round_one_is_fedavg_bit_for_bit(name: str, shape: tuple[int, ...]) -> None:
+    """Round 1 (previous model = w^0 = global) with mu = 5, on models with MOON's projection head: the
+    contrastive gradient is exactly 0 and every update equals FedAvg's bit for bit (no dropout in these models)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = FunctionalModel(build_model(name, shape, 3, projection=8))
+        data = {i: ClientData(torch.randn(2, 4, *shape), torch.randint(0, 3, (2, 4)), torch.ones(2, 4)) for i in SIZES}
+    w0 = net.params()
+    kw = {"data": data, "sizes": SIZES, "model": net}
+    alg, fed = MOON(lr=0.1, mu=5.0), FedAvg(lr=0.1)
+    moon, r = run_round(alg, alg.init_server(w0), {i: alg.init_client(w0) for i in SIZES}, [0, 1], 1, **kw)
+    avg, ref = run_round(fed, fed.init_server(w0), dict.fromkeys(SIZES, ()), [0, 1], 1, **kw)
+    for i in (0, 1):
+        assert all(torch.equal(r[i].upload.delta[k], ref[i].upload.delta[k]) for k in w0)
+    assert all(torch.equal(moon.params[k], avg.params[k]) for k in w0)
+
+
+def test_contrastive_loss_uses_the_projection_head_output() -> None:
+    """With model.options.projection = 16, z is the 16-d head output: one local step's objective is
+    f + mu * l_con(z, z_glob, z_prev) of those projected z, and the contrastive gradient reaches the head."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = FunctionalModel(build_model("mlp", (4,), 3, hidden=(5,), projection=16))
+    w_t = net.params()
+    prev = {k: v + 0.3 * torch.randn_like(v) for k, v in w_t.items()}
+    x, y, m = DATA[0].x[:1], DATA[0].y[:1], DATA[0].mask[:1]
+    z, logits = net.features(w_t, x[0])
+    assert z.shape == (4, 16) and "proj.2.weight" in w_t
+    l_con = model_contrastive_loss(z, net.features(w_t, x[0])[0], net.features(prev, x[0])[0], m[0], TAU)
+    alg = MOON(lr=0.1, mu=2.0, tau=TAU)
+    res = alg.client_update(
+        alg.broadcast(alg.init_server(w_t), rnd(2, 1)),
+        ClientState(prev),
+        ClientData(x, y, m),
+        info(0.5, 3.0),
+        rnd(2, 1),
+        net,
+    )
+    f = net.loss_from_logits(w_t, logits, y[0], m[0])
+    assert float(res.metrics["train/objective"]) == pytest.approx(float(f + 2.0 * l_con), rel=1e-6)
+    plain = FedAvg(lr=0.1).client_update(
+        alg.broadcast(alg.init_server(w_t), rnd(2, 1)), (), ClientData(x, y, m), info(0.5, 3.0), rnd(2, 1), net
+    )
+    assert not torch.allclose(res.upload.delta["proj.0.weight"], plain.upload.delta["proj.0.weight"], atol=1e-6)
 
 
 def test_client_update_is_vmap_safe() -> None:
@@ -201,3 +249,21 @@ def test_empty_round_and_bad_hyperparameters() -> None:
         MOON(mu=-1.0)
     with pytest.raises(ConfigError, match=r"^algorithm\.weighting='size': choose one of 'data_size', 'uniform'$"):
         MOON(weighting="size")
+
+
+@pytest.mark.parametrize("scale", ["cpu", "full"])
+def test_paper_presets_give_every_row_the_same_network_with_moons_head(scale: str) -> None:
+    """MOON's protocol: one network for all methods of a comparison, projection head included. In every paper
+    preset the runs on one data source share one model config, and every image model carries the 256-d head
+    (logistic regression, FedProx's synthetic setting, has no encoder and no head)."""
+    for name in list_presets():
+        models: dict[str, set] = {}
+        for spec in expand(load_preset(name, scale), seeds=1):
+            model = spec.cfg.model
+            models.setdefault(spec.cfg.data.source, set()).add(
+                (model.name, tuple(sorted((model.options or {}).items())))
+            )
+        for source, seen in models.items():
+            assert len(seen) == 1, (name, source, seen)
+            ((model_name, options),) = seen
+            assert dict(options).get("projection") == (0 if model_name == "logreg" else 256), (name, source)

@@ -25,10 +25,17 @@ Symbols:
 Facts (each is a test):
     * grad phi_i = grad f_i + mu h: the mu f_hat term is a constant and never moves a parameter; it only
       changes the logged objective value.
-    * With eta = eta_l and accumulate="phi", w_{t+1} is exactly the mean of the clients' final models.
+    * With eta = eta_l and accumulate="phi", w_{t+1} is the mean of the clients' final models (up to float
+      rounding, as below).
     * Since g_i contains lambda mu h, g^t ~ G^t + lambda mu g^{t-1}: the literal algorithm is heavy-ball
       momentum with factor lambda*mu and is stable only while lambda*mu < 1 (logged; warned at >= 1).
-    * mu = 0 reduces exactly to FedAvg with uniform weights (``fedavg`` with weighting="uniform").
+    * mu = 0 reduces to FedAvg with uniform weights (``fedavg`` with weighting="uniform") up to float rounding,
+      not bit for bit: the local steps are identical (the rectification adds 0 * h, exactly 0), but FedAvg
+      averages y_i - w_t while HaFedHo steps w_t - eta g^t along the averaged gradient sums, and the two round
+      differently. One round from the same w_t (eta = eta_l) differs per entry by at most (3 lambda + 8) u S,
+      u = eps/2 the unit roundoff of the dtype (2^-24 in float32) and S the largest magnitude among w_t, the
+      clients' local iterates and eta times their gradient sums (the rounding of lambda local steps, the delta,
+      the average and the server step on each side).
 
 Switches for the paper's inconsistencies and ablations (defaults follow Algorithm 1):
     accumulate       "phi": g_i sums grad phi_i (objective rectification, Algorithm 1);
@@ -121,7 +128,7 @@ class HaFedHo(FedAlgorithm):
             return f + mu * (f_hat + tree.dot(h, tree.sub(w, w_t))), f
 
         res = local_train(phi, w_t, data, sgd(self.lr))
-        # grad phi = grad f + mu h at every real step, so sum grad f = sum grad phi - K mu h exactly.
+        # grad phi = grad f + mu h at every real step, so sum grad f = sum grad phi - K mu h (up to rounding).
         g_i = res.grad_sum if self.accumulate == "phi" else tree.axpy(-mu * res.steps, h, res.grad_sum)
         weight = aggregation_weight(info, self.aggregation)
         new_state = ClientState(g_i, res.loss, torch.full_like(state.last_round, rnd.round))

@@ -21,23 +21,31 @@ Symbols:
 
 Both terms are masked means over the batch's real rows (padding rows contribute nothing), like ``model.loss``.
 
-Representation: the paper applies l_con to the output of a projection head (official code ``ModelFedCon``:
-base encoder -> Linear-ReLU-Linear projection -> final Linear); that projection output is exactly the input of
-the final Linear. We use the z the model exposes (the input of its final Linear); a projection head is part of
-the model if one is wanted. For ``logreg`` z is the raw input, so l_con is the constant log 2 and MOON = FedAvg.
+Representation: the paper applies l_con to the output of a projection head (Sec. 3.3; official code
+``ModelFedCon``: base encoder -> Linear-ReLU-Linear projection -> final Linear), whose output is the input of the
+final Linear. We use the z the model exposes, the input of its final Linear: with the model option
+``projection = 256`` (``model.options.projection``, on every model of ``hafedho.models``) that is MOON's head;
+without it, the encoder's output. MOON compares every method on the same network (Sec. 4.1), and the official
+``main.py`` builds ``ModelFedCon`` (``use_project_head=1``) for every algorithm: the head is a setting of the
+comparison, not of MOON, and the paper presets set it once for all rows. Without a head, ``logreg``'s z is the raw
+input, so l_con is the constant log 2 and MOON = FedAvg.
 
 Previous model: ``init_client`` stores the initial global model w^0, so in round 1 z_prev = z_glob, l_con is the
-constant log 2 and carries no gradient. The official code (github.com/QinbinLi/MOON, ``main.py``) gets the same
-round 1 differently: its previous-model pool is still empty (``load_first_net`` builds the copy but never appends
-it), so its l_con has no negative and is 0. A client first sampled in a later round contrasts against w^0 here;
-the official code uses that client's own random initialisation (every party net is initialised separately).
+constant log 2 and carries no gradient: round 1 is FedAvg's bit for bit (a test) when each client runs on its own
+(loop and process engines, Flower) and the model has no dropout (the two extra forwards draw dropout masks of
+their own). Under the vmap engine z_prev comes from per-client (batched) weights and z_glob from shared ones, so
+they can differ by float rounding, and round 1 then equals FedAvg's up to float rounding. The official code
+(github.com/QinbinLi/MOON, ``main.py``) gets the same round 1 differently: its previous-model pool is still
+empty (``load_first_net`` builds the copy but never appends it), so its l_con has no negative and is 0. A
+client first sampled in a later round contrasts against w^0 here; the official code uses that client's own
+random initialisation (every party net is initialised separately).
 Other differences of the official code: SGD momentum 0.9 and weight decay 1e-5 (here: plain SGD, weight decay in
 the model loss, as FedAvg); global and previous nets run in eval mode (here: the module's current mode, which
 differs only for dropout, i.e. ``femnist_cnn``); a FIFO pool of ``model_buffer_size`` previous models, default 1
 (here: 1). Hyperparameters: tau = 0.5 (the paper's default); mu = 1 (code default; the paper tunes mu in
 {0.1, 1, 5, 10} and reports 5 for CIFAR-10, 1 for CIFAR-100 and Tiny-ImageNet).
 
-Reduces to FedAvg exactly when mu = 0 (the contrastive forwards are then skipped).
+Reduces to FedAvg exactly (bit for bit, a test) when mu = 0: the contrastive forwards are then skipped.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -83,11 +92,13 @@ class Upload(NamedTuple):
 def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, mask: Tensor, tau: float) -> Tensor:
     """Masked mean over rows of l_con = -log softmax([sim(z, z_glob), sim(z, z_prev)] / tau)[0].
 
-    Written as softplus((sim_prev - sim_glob) / tau), the same value computed without overflow.
+    Written as softplus((sim_prev - sim_glob) / tau), the same value computed without overflow. Both similarities
+    come from ONE cosine-similarity call on the stacked pair (z_glob, z_prev): when z_prev equals z_glob (round 1)
+    their gradients with respect to z are computed identically and cancel exactly inside that call, so the term
+    adds exactly 0 to the cross-entropy's gradient (two separate calls would add (g + a) - a, a rounding apart).
     """
-    s_glob = F.cosine_similarity(z, z_glob, dim=-1)
-    s_prev = F.cosine_similarity(z, z_prev, dim=-1)
-    per_row = F.softplus((s_prev - s_glob) / tau)
+    sims = F.cosine_similarity(z.unsqueeze(-2), torch.stack([z_glob, z_prev], dim=-2), dim=-1)  # [..., B, 2]
+    per_row = F.softplus((sims[..., 1] - sims[..., 0]) / tau)
     return (per_row * mask).sum() / mask.sum().clamp(min=1.0)
 
 

@@ -2,19 +2,25 @@
 
 Every model's ``forward(x, return_features=False)`` returns logits ``[B, num_classes]``,
 or ``(z, logits)`` where ``z`` is the representation fed to the final Linear layer
-(MOON's contrastive loss uses it). Inputs are normalised float tensors, ``[B, D]`` or
+(MOON's contrastive loss uses it). Every model takes ``projection`` (default 0): the width of
+MOON's projection head (Linear-ReLU-Linear) inserted between the encoder and the final Linear,
+whose output is then ``z``. Inputs are normalised float tensors, ``[B, D]`` or
 ``[B, C, H, W]``. No model contains BatchNorm, so all are safe for vectorised
 (``torch.func.vmap``) client training.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
+import typing
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from hafedho.core.algorithm import check_value
 from hafedho.models.cnn import CifarCNN, FemnistCNN, LeNet5
 from hafedho.models.resnet import ResNet18GN
 from hafedho.models.simple import MLP, LogReg
@@ -55,7 +61,9 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **opt
         The freshly initialised model (uses torch's global RNG; seed it first).
 
     Raises:
-        ValueError: Unknown name or option, or an input shape the model cannot take.
+        ValueError: Unknown name or option, an option of the wrong type (checked against the factory's
+            annotations, as hyperparameters are: ``hidden="64"`` or ``hidden=[64.7]`` is refused, never
+            coerced), or an input shape the model cannot take.
     """
     try:
         factory = MODELS[name]
@@ -68,7 +76,25 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **opt
         raise ValueError(
             f"model {name!r} has no option(s) {', '.join(unknown)}; its options are: {', '.join(allowed) or 'none'}"
         )
-    return factory(tuple(input_shape), num_classes, **options)
+    hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    checked = {k: _check_option(f"model.options.{k}", v, hints.get(k, Any)) for k, v in options.items()}
+    return factory(tuple(input_shape), num_classes, **checked)
+
+
+def _check_option(key: str, value: Any, annotation: Any) -> Any:
+    """``check_value`` for one model option; a ``Sequence[T]`` option takes a list of T (a tuple is returned)."""
+    if annotation is Any:
+        return value
+    if typing.get_origin(annotation) in (collections.abc.Sequence, list, tuple):
+        (item,) = typing.get_args(annotation)[:1] or (Any,)
+        if not isinstance(value, list | tuple):
+            simple = isinstance(value, int | float) or (isinstance(value, str) and value.strip().isdigit())
+            example = f"[{str(value).strip()}]" if simple else "[64, 64]"
+            raise ValueError(
+                f"{key}={value!r}: expected a list of {getattr(item, '__name__', item)}, e.g. {key}={example}"
+            )
+        return tuple(_check_option(f"{key}[{i}]", v, item) for i, v in enumerate(value))
+    return check_value(key, value, annotation, {})
 
 
 def num_params(model: nn.Module) -> int:

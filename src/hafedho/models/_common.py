@@ -53,6 +53,20 @@ def check_image(model: str, input_shape: Sequence[int], sizes: Sequence[int] | N
     return shape
 
 
+def projection_head(model: str, dim: int, out: int) -> nn.Sequential | None:
+    """MOON's projection head between a model's encoder and its output layer, or None when ``out == 0``.
+
+    Li, He, Song, arXiv:2103.16257 (Sec. 3.3, network architecture; official code ``ModelFedCon``):
+    ``Linear(dim, dim) ReLU Linear(dim, out)``, no activation after the second Linear; its output is the
+    representation z of the contrastive loss and the input of the output layer. The official default width is 256.
+    """
+    if isinstance(out, bool) or not isinstance(out, Integral) or out < 0:
+        raise ValueError(f"model {model!r}: projection must be an integer >= 0 (got {out!r}); 0 = no head")
+    if out == 0:
+        return None
+    return nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, int(out)))
+
+
 class Dropout(nn.Dropout):
     """``nn.Dropout`` whose mask depends on the seed and the logical shape only, not on the memory layout.
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hafedho.models._common import Dropout, Output, check_classes, check_image
+from hafedho.models._common import Dropout, Output, check_classes, check_image, projection_head
 
 
 class FemnistCNN(nn.Module):
@@ -24,9 +24,10 @@ class FemnistCNN(nn.Module):
     Args:
         input_shape: ``(C, 28, 28)``; FEMNIST is ``(1, 28, 28)``.
         num_classes: Number of output classes (62 for FEMNIST).
+        projection: Width of MOON's projection head on the 128-d ``z`` (then ``z`` is its output); 0 = none.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int = 62) -> None:
+    def __init__(self, input_shape: Sequence[int], num_classes: int = 62, projection: int = 0) -> None:
         super().__init__()
         channels = check_image("femnist_cnn", input_shape, sizes=(28,))[0]
         num_classes = check_classes("femnist_cnn", num_classes)
@@ -36,7 +37,8 @@ class FemnistCNN(nn.Module):
         self.dropout1 = Dropout(0.25)
         self.fc1 = nn.Linear(64 * 12 * 12, 128)  # 28 -> 26 -> 24 -> pool -> 12
         self.dropout2 = Dropout(0.5)
-        self.fc2 = nn.Linear(128, num_classes)
+        self.proj = projection_head("femnist_cnn", 128, projection)
+        self.fc2 = nn.Linear(projection or 128, num_classes)
 
     def forward(self, x: torch.Tensor, return_features: bool = False) -> Output:
         """Return logits ``[B, num_classes]``, or ``(z, logits)`` if ``return_features``."""
@@ -44,6 +46,7 @@ class FemnistCNN(nn.Module):
         x = F.relu(self.conv2(x))
         x = self.dropout1(self.pool(x)).flatten(1)
         z = F.relu(self.fc1(x))
+        z = z if self.proj is None else self.proj(z)
         logits = self.fc2(self.dropout2(z))
         return (z, logits) if return_features else logits
 
@@ -59,9 +62,10 @@ class CifarCNN(nn.Module):
     Args:
         input_shape: ``(C, 32, 32)``; CIFAR is ``(3, 32, 32)``.
         num_classes: Number of output classes.
+        projection: Width of MOON's projection head on the 192-d ``z`` (then ``z`` is its output); 0 = none.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int = 10) -> None:
+    def __init__(self, input_shape: Sequence[int], num_classes: int = 10, projection: int = 0) -> None:
         super().__init__()
         channels = check_image("cifar_cnn", input_shape, sizes=(32,))[0]
         num_classes = check_classes("cifar_cnn", num_classes)
@@ -70,13 +74,15 @@ class CifarCNN(nn.Module):
         self.pool = nn.MaxPool2d(2, 2)
         self.fc1 = nn.Linear(64 * 5 * 5, 384)
         self.fc2 = nn.Linear(384, 192)
-        self.fc3 = nn.Linear(192, num_classes)
+        self.proj = projection_head("cifar_cnn", 192, projection)
+        self.fc3 = nn.Linear(projection or 192, num_classes)
 
     def forward(self, x: torch.Tensor, return_features: bool = False) -> Output:
         """Return logits ``[B, num_classes]``, or ``(z, logits)`` if ``return_features``."""
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x))).flatten(1)
         z = F.relu(self.fc2(F.relu(self.fc1(x))))
+        z = z if self.proj is None else self.proj(z)
         logits = self.fc3(z)
         return (z, logits) if return_features else logits
 
@@ -94,9 +100,10 @@ class LeNet5(nn.Module):
     Args:
         input_shape: ``(C, 32, 32)`` or ``(C, 28, 28)``.
         num_classes: Number of output classes.
+        projection: Width of MOON's projection head on the 84-d ``z`` (then ``z`` is its output); 0 = none.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int = 10) -> None:
+    def __init__(self, input_shape: Sequence[int], num_classes: int = 10, projection: int = 0) -> None:
         super().__init__()
         channels, side, _ = check_image("lenet5", input_shape, sizes=(32, 28))
         num_classes = check_classes("lenet5", num_classes)
@@ -105,12 +112,14 @@ class LeNet5(nn.Module):
         self.pool = nn.MaxPool2d(2, 2)
         self.fc1 = nn.Linear(16 * 5 * 5, 120)
         self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, num_classes)
+        self.proj = projection_head("lenet5", 84, projection)
+        self.fc3 = nn.Linear(projection or 84, num_classes)
 
     def forward(self, x: torch.Tensor, return_features: bool = False) -> Output:
         """Return logits ``[B, num_classes]``, or ``(z, logits)`` if ``return_features``."""
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x))).flatten(1)
         z = F.relu(self.fc2(F.relu(self.fc1(x))))
+        z = z if self.proj is None else self.proj(z)
         logits = self.fc3(z)
         return (z, logits) if return_features else logits

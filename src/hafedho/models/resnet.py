@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hafedho.models._common import Output, check_classes, check_image
+from hafedho.models._common import Output, check_classes, check_image, projection_head
 
 
 def _conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
@@ -54,9 +54,10 @@ class ResNet18GN(nn.Module):
         input_shape: ``(C, H, W)`` with H, W >= 8; CIFAR is ``(3, 32, 32)``.
         num_classes: Number of output classes.
         groups: GroupNorm groups per norm layer.
+        projection: Width of MOON's projection head on the 512-d ``z`` (then ``z`` is its output); 0 = none.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int = 10, groups: int = 2) -> None:
+    def __init__(self, input_shape: Sequence[int], num_classes: int = 10, groups: int = 2, projection: int = 0) -> None:
         super().__init__()
         channels = check_image("resnet18_gn", input_shape)[0]
         num_classes = check_classes("resnet18_gn", num_classes)
@@ -72,7 +73,8 @@ class ResNet18GN(nn.Module):
             )
             in_ch = out_ch
         self.layers = nn.Sequential(*stages)
-        self.fc = nn.Linear(512, num_classes)
+        self.proj = projection_head("resnet18_gn", 512, projection)
+        self.fc = nn.Linear(projection or 512, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 # He initialisation, as torchvision's and FedML's ResNets do.
@@ -82,5 +84,6 @@ class ResNet18GN(nn.Module):
         """Return logits ``[B, num_classes]``, or ``(z, logits)`` if ``return_features``."""
         x = F.relu(self.norm1(self.conv1(x)))
         z = F.adaptive_avg_pool2d(self.layers(x), 1).flatten(1)
+        z = z if self.proj is None else self.proj(z)
         logits = self.fc(z)
         return (z, logits) if return_features else logits

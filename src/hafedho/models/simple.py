@@ -8,28 +8,34 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hafedho.models._common import Output, check_classes, check_shape
+from hafedho.models._common import Output, check_classes, check_shape, projection_head
 
 
 class LogReg(nn.Module):
     """Multinomial logistic regression: flatten, then one Linear layer.
 
     The usual convex baseline of FL papers (e.g. FedProx's MNIST/FEMNIST "MCLR").
-    Its representation ``z`` is the flattened input itself.
+    Its representation ``z`` is the flattened input itself (with ``projection > 0``, the projection head's
+    output, which makes the model a one-hidden-layer MLP: no longer convex).
 
     Args:
         input_shape: Shape of one example (any rank; it is flattened).
         num_classes: Number of output classes.
+        projection: Width of MOON's projection head before the Linear layer; 0 = none.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int) -> None:
+    def __init__(self, input_shape: Sequence[int], num_classes: int, projection: int = 0) -> None:
         super().__init__()
         shape = check_shape("logreg", input_shape)
-        self.linear = nn.Linear(math.prod(shape), check_classes("logreg", num_classes))
+        num_classes = check_classes("logreg", num_classes)
+        dim = math.prod(shape)
+        self.proj = projection_head("logreg", dim, projection)
+        self.linear = nn.Linear(projection or dim, num_classes)
 
     def forward(self, x: torch.Tensor, return_features: bool = False) -> Output:
         """Return logits ``[B, num_classes]``, or ``(z, logits)`` if ``return_features``."""
         z = x.flatten(1)
+        z = z if self.proj is None else self.proj(z)
         logits = self.linear(z)
         return (z, logits) if return_features else logits
 
@@ -44,9 +50,12 @@ class MLP(nn.Module):
         input_shape: Shape of one example (any rank; it is flattened).
         num_classes: Number of output classes.
         hidden: Widths of the hidden layers.
+        projection: Width of MOON's projection head before the output layer; 0 = none.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (200, 200)) -> None:
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (200, 200), projection: int = 0
+    ) -> None:
         super().__init__()
         shape = check_shape("mlp", input_shape)
         num_classes = check_classes("mlp", num_classes)
@@ -59,10 +68,12 @@ class MLP(nn.Module):
             layers += [nn.Linear(prev, width), nn.ReLU()]
             prev = width
         self.body = nn.Sequential(*layers)
-        self.head = nn.Linear(prev, num_classes)
+        self.proj = projection_head("mlp", prev, projection)
+        self.head = nn.Linear(projection or prev, num_classes)
 
     def forward(self, x: torch.Tensor, return_features: bool = False) -> Output:
         """Return logits ``[B, num_classes]``, or ``(z, logits)`` if ``return_features``."""
         z = self.body(x.flatten(1))
+        z = z if self.proj is None else self.proj(z)
         logits = self.head(z)
         return (z, logits) if return_features else logits
