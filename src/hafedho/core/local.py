@@ -144,13 +144,14 @@ def aggregation_weight(info: ClientInfo, weighting: str) -> Tensor:
 
 
 def full_gradient(model: Any, params: Params, data: ClientData) -> tuple[Params, Tensor]:
-    """``(grad f_i(params), f_i(params))`` of the plain masked-mean loss over ALL of a round's real examples at once.
+    """``(grad f_i(params), f_i(params))`` of the plain masked-mean loss over ALL of ``data``'s real examples at once.
 
-    The ``[S, B, ...]`` batches are flattened into one batch of ``S*B`` rows and ``mask`` keeps the padding out,
-    so this is the full-batch gradient over the client's data *as sampled for this round* (exactly its dataset
-    once when the runtime plans one local epoch; with a fixed step count, examples drawn twice count twice).
-    One gradient evaluation, not a training loop (FedSGD's upload, MimeLite's ``grad f_i(x)``); memory is that
-    of one forward/backward pass on ``S*B`` rows. An all-padding client gets a zero gradient and loss 0.
+    The ``[S, B, ...]`` batches are flattened into one batch of ``S*B`` rows and ``mask`` keeps the padding out.
+    Given ``data.full`` (``[1, n_i, ...]``) this is the full-batch gradient over the client's whole local data;
+    given a round's batches, over its data *as sampled for this round* (its dataset once when the runtime plans
+    one local epoch; with a fixed step count, examples drawn twice count twice). One gradient evaluation, not a
+    training loop (FedSGD's upload, MimeLite's and SCAFFOLD option I's ``grad f_i(x)``); memory is that of one
+    forward/backward pass on all those rows. An all-padding client gets a zero gradient and loss 0.
     Pure and branch-free (vmap-safe).
     """
     x, y, m = data.x.flatten(0, 1), data.y.flatten(0, 1), data.mask.flatten(0, 1)

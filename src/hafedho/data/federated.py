@@ -131,8 +131,16 @@ class FederatedData:
         n = float(self.sizes[cid])
         return ClientInfo(torch.tensor(n / float(self.sizes.sum())), torch.tensor(n))
 
-    def client_data(self, seed: int, rnd: int, cid: int, plan: BatchPlan) -> ClientData:
+    def client_data(self, seed: int, rnd: int, cid: int, plan: BatchPlan, full: bool = False) -> ClientData:
+        """Client ``cid``'s batches for round ``rnd``; with ``full``, also its whole local data (``full_data``)."""
         pos, mask = plan_indices(rng_for(seed, "batches", rnd, cid), int(self.sizes[cid]), plan)
         idx = torch.from_numpy(self.parts[cid][pos])  # [S, B] global train indices
         x = self.preprocess(self.x_train[idx.reshape(-1)])
-        return ClientData(x.reshape(*idx.shape, *x.shape[1:]), self.y_train[idx], torch.from_numpy(mask))
+        data = ClientData(x.reshape(*idx.shape, *x.shape[1:]), self.y_train[idx], torch.from_numpy(mask))
+        return data._replace(full=self.full_data(cid)) if full else data
+
+    def full_data(self, cid: int) -> ClientData:
+        """All of client ``cid``'s training rows, each once, in partition order, as one batch ``[1, n_i, ...]``."""
+        idx = torch.from_numpy(self.parts[cid])
+        x = self.preprocess(self.x_train[idx])
+        return ClientData(x.unsqueeze(0), self.y_train[idx].unsqueeze(0), torch.ones(1, len(idx)))
