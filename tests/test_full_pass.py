@@ -22,7 +22,7 @@ from hafedho.algorithms import REGISTRY
 from hafedho.algorithms.fedsgd import FedSGD
 from hafedho.algorithms.mimelite import MimeLite
 from hafedho.algorithms.scaffold import SCAFFOLD
-from hafedho.core import ClientData, FunctionalModel, Params, RoundInfo, WeightedMean
+from hafedho.core import ClientData, FunctionalModel, Params, RoundInfo, WeightedMean, full_gradient
 from hafedho.data.federated import BatchPlan, FederatedData, plan_indices
 from hafedho.models import build_model
 from hafedho.sim.engines import RoundWork, loop_engine
@@ -201,18 +201,43 @@ def vector_fed(sizes: tuple[int, ...] = (9, 3, 14, 6), features: int = 12, seed:
 
 
 def test_full_data_is_every_local_row_once_in_partition_order() -> None:
+    """Blocks of B = 4 rows: client sizes 9, 3, 14, 6 give 3, 1, 4, 2 blocks, the last one padded (masked)."""
     fed = vector_fed()
     plan = BatchPlan(local_steps=2, batch_size=4)
     for cid in range(fed.num_clients):
-        full = fed.full_data(cid)
         rows = torch.from_numpy(fed.parts[cid])
-        n = len(rows)
-        assert full.x.shape == (1, n, 12) and full.y.shape == (1, n) and full.mask.shape == (1, n)
-        assert torch.equal(full.x[0], fed.preprocess(fed.x_train[rows])) and torch.equal(full.y[0], fed.y_train[rows])
-        assert torch.equal(full.mask, torch.ones(1, n)) and full.full == ()
+        n, blocks = len(rows), -(-len(rows) // 4)
+        full = fed.full_data(cid, 4)
+        assert full.x.shape == (blocks, 4, 12) and full.y.shape == full.mask.shape == (blocks, 4) and full.full == ()
+        real = full.mask.flatten().bool()
+        assert real.tolist() == [True] * n + [False] * (4 * blocks - n)
+        assert torch.equal(full.x.flatten(0, 1)[real], fed.preprocess(fed.x_train[rows]))
+        assert torch.equal(full.y.flatten()[real], fed.y_train[rows])
+        assert torch.equal(full.x.flatten(0, 1)[~real], full.x.flatten(0, 1)[n - 1 : n].expand(4 * blocks - n, 12))
         bare, with_full = fed.client_data(0, 1, cid, plan), fed.client_data(0, 1, cid, plan, full=True)
-        assert bare.full == () and torch.equal(with_full.full.x, full.x)
-        assert torch.equal(bare.x, with_full.x) and torch.equal(bare.mask, with_full.mask)  # same batches
+        assert bare.full == () and torch.equal(with_full.full.x, full.x) and torch.equal(with_full.full.mask, full.mask)
+        assert torch.equal(bare.x, with_full.x) and torch.equal(bare.mask, with_full.mask)  # the same batches
+
+
+def test_full_gradient_is_the_one_batch_gradient_whatever_the_blocks() -> None:
+    """float64: the blockwise sum_s n_s grad f_s / sum_s n_s equals the gradient of the masked mean over all rows
+    as one batch, for blocks of 1, 4 (a partial last block) and all 14 rows; padded blocks change nothing."""
+    fed, model = vector_fed(), mlp()
+    model.module.double()
+    params = {k: v.detach().double() for k, v in model.params().items()}
+    one = fed.full_data(2, 14)
+    one = ClientData(one.x.double(), one.y, one.mask)
+    ref, f_ref = full_gradient(model, params, one)
+    for b in (1, 4, 14):
+        d = fed.full_data(2, b)
+        d = ClientData(d.x.double(), d.y, d.mask)
+        bigger = ClientData(torch.zeros(20, b, 12).double(), torch.zeros(20, b, dtype=torch.long), torch.ones(20, b))
+        padded = stack_data([d, bigger])  # d grows to 20 blocks, as under vmap beside a larger client
+        for data in (d, ClientData(padded.x[0], padded.y[0], padded.mask[0])):
+            g, f = full_gradient(model, params, data)
+            assert abs(float(f - f_ref)) <= 1e-12 * abs(float(f_ref))
+            for k in ref:
+                assert float((g[k] - ref[k]).norm()) <= 1e-12 * float(ref[k].norm()), (b, k)
 
 
 def test_stack_data_pads_the_whole_local_data_to_the_largest_client() -> None:
@@ -220,16 +245,17 @@ def test_stack_data_pads_the_whole_local_data_to_the_largest_client() -> None:
     plan = BatchPlan(local_steps=0, batch_size=4, local_epochs=1)
     datas = [fed.client_data(0, 1, cid, plan, full=True) for cid in (0, 1, 2)]
     s = stack_data(datas)
-    assert s.x.shape == (3, 4, 4, 12) and s.full.x.shape == (3, 1, 14, 12) and s.full.mask.shape == (3, 1, 14)
+    assert s.x.shape == (3, 4, 4, 12) and s.full.x.shape == (3, 4, 4, 12) and s.full.mask.shape == (3, 4, 4)
     assert s.full.mask.sum((1, 2)).tolist() == [9.0, 3.0, 14.0] and s.full.y.dtype == torch.long
-    assert torch.equal(s.full.x[1, 0, :3], datas[1].full.x[0])
-    assert torch.equal(s.full.x[1, 0, 3:], datas[1].full.x[0, -1:].expand(11, 12))  # the last row again, masked
+    assert torch.equal(s.full.x[1, :1], datas[1].full.x)
+    assert torch.equal(s.full.x[1, 1:], datas[1].full.x.expand(3, 4, 12))  # the last block again, masked out
+    assert s.full.mask[1, 1:].sum() == 0
     assert stack_data([fed.client_data(0, 1, cid, plan) for cid in (0, 1)]).full == ()
 
 
 def test_the_loop_engine_hands_the_whole_local_data() -> None:
-    """FedSGD's aggregate over a cohort of one client is that client's gradient over all of its rows, however
-    few of them the round's plan draws (one step of 2 rows here)."""
+    """FedSGD's aggregate over a cohort of one client is that client's gradient over all of its rows as one
+    batch, however few of them the round's plan draws (one step of 2 rows here)."""
     fed, model = vector_fed(), mlp()
     params = model.params()
     alg, rnd = FedSGD(), RoundInfo(1, 4, 1)
@@ -284,7 +310,7 @@ def test_engines_agree_on_full_pass_algorithms(alg) -> None:
     with ProcessEngine(workers=2) as eng:
         assert_near(engine_rounds(eng, alg), ref)
     assert not mp.active_children()
-    with VmapEngine(chunk=3, device="cpu") as eng:  # chunks {0, 1, 2} and {3}: full data padded to 14 rows, then not
+    with VmapEngine(chunk=3, device="cpu") as eng:  # chunks {0, 1, 2} (full data padded to 4 blocks) and {3}
         assert_near(engine_rounds(eng, alg), ref)
 
 

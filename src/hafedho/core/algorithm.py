@@ -107,7 +107,7 @@ class FedAlgorithm:
         return False
 
     def full_data(self, data: ClientData) -> ClientData:
-        """``data.full``: all of the client's rows as one masked batch ``[1, n_i, ...]``; one line if absent."""
+        """``data.full``: all of the client's rows, each once, as masked blocks; one line if absent."""
         if not isinstance(data.full, ClientData):
             raise ValueError(
                 f"{self.name} needs the client's whole local data in data.full (one extra pass); build the data "

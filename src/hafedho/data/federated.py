@@ -137,10 +137,18 @@ class FederatedData:
         idx = torch.from_numpy(self.parts[cid][pos])  # [S, B] global train indices
         x = self.preprocess(self.x_train[idx.reshape(-1)])
         data = ClientData(x.reshape(*idx.shape, *x.shape[1:]), self.y_train[idx], torch.from_numpy(mask))
-        return data._replace(full=self.full_data(cid)) if full else data
+        return data._replace(full=self.full_data(cid, plan.batch_size)) if full else data
 
-    def full_data(self, cid: int) -> ClientData:
-        """All of client ``cid``'s training rows, each once, in partition order, as one batch ``[1, n_i, ...]``."""
-        idx = torch.from_numpy(self.parts[cid])
-        x = self.preprocess(self.x_train[idx])
-        return ClientData(x.unsqueeze(0), self.y_train[idx].unsqueeze(0), torch.ones(1, len(idx)))
+    def full_data(self, cid: int, batch_size: int) -> ClientData:
+        """All of client ``cid``'s training rows, each once, in partition order: ``[ceil(n_i / B), B, ...]``.
+
+        The blocks only bound the memory of a pass over them (``core.full_gradient`` weighs each by its real
+        rows); the last block is padded with the client's last row again, masked out.
+        """
+        n = int(self.sizes[cid])
+        blocks = math.ceil(n / batch_size)
+        pos = np.minimum(np.arange(blocks * batch_size), n - 1)
+        idx = torch.from_numpy(self.parts[cid][pos]).view(blocks, batch_size)
+        x = self.preprocess(self.x_train[idx.reshape(-1)])
+        mask = (torch.arange(blocks * batch_size) < n).float().view(blocks, batch_size)
+        return ClientData(x.reshape(blocks, batch_size, *x.shape[1:]), self.y_train[idx], mask)

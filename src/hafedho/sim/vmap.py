@@ -2,9 +2,8 @@
 
 A chunk of c clients becomes one batched call: their ``ClientData`` stacked to ``[c, S, B, ...]`` (clients
 with fewer steps are padded with all-padding steps, which ``local_train`` treats as no-ops; the whole local
-data of a full-pass algorithm to ``[c, 1, n_max, ...]``, masked), their ``ClientInfo`` and states stacked
-leafwise; the broadcast, round and model are shared. Uploads come back
-batched and are added to the aggregator one client at a time, in cohort order, so the float64 sums are the
+data of a full-pass algorithm likewise, to the chunk's largest client), their ``ClientInfo`` and states
+stacked leafwise; the broadcast, round and model are shared. Uploads come back batched and are added to the aggregator one client at a time, in cohort order, so the float64 sums are the
 same sequence of additions as ``loop``'s. On a GPU the chunk runs there (the aggregate and states come back
 to the CPU); on a CPU it runs in place, for testing (grouped convolutions make it no faster than ``loop``).
 
@@ -48,12 +47,14 @@ def _grow(t: torch.Tensor, dim: int, size: int, fill: str) -> torch.Tensor:
     return torch.cat([t, tail], dim)
 
 
-def _stack(datas: list[ClientData], dim: int) -> ClientData:
-    """Batches, labels and masks stacked along a new leading dimension, grown to the largest along ``dim``."""
-    size = max(d.x.shape[dim] for d in datas)
-    x = torch.stack([_grow(d.x, dim, size, "last") for d in datas])
-    y = torch.stack([_grow(d.y, dim, size, "last") for d in datas])
-    return ClientData(x, y, torch.stack([_grow(d.mask, dim, size, "zeros") for d in datas]))
+def _stack(datas: list[ClientData]) -> ClientData:
+    """Batches, labels and masks stacked along a new leading dimension, grown to the largest S and B."""
+    steps, width = max(d.x.shape[0] for d in datas), max(d.x.shape[1] for d in datas)
+    grow = lambda t, fill: _grow(_grow(t, 1, width, fill), 0, steps, fill)
+    x = torch.stack([grow(d.x, "last") for d in datas])
+    return ClientData(
+        x, torch.stack([grow(d.y, "last") for d in datas]), torch.stack([grow(d.mask, "zeros") for d in datas])
+    )
 
 
 def stack_data(datas: list[ClientData]) -> ClientData:
@@ -61,12 +62,12 @@ def stack_data(datas: list[ClientData]) -> ClientData:
 
     A padding step repeats the client's last batch (masked out), not zeros: its loss and gradient are then as
     finite as a real step's, so the arithmetic gate ``w + 0 * update`` cannot turn a NaN into the result.
-    The whole local data ``full`` (``[1, n_i, ...]``, present for every client or for none) is stacked to
-    ``[c, 1, n_max, ...]`` the same way: a smaller client's rows are followed by its last row again, masked out.
+    The whole local data ``full`` (``[ceil(n_i / B), B, ...]``, present for every client or for none) is stacked
+    the same way, to the chunk's largest client: its extra blocks are all padding, masked out.
     """
-    out = _stack(datas, 0)
+    out = _stack(datas)
     if any(isinstance(d.full, ClientData) for d in datas):
-        out = out._replace(full=_stack([d.full for d in datas], 1))
+        out = out._replace(full=_stack([d.full for d in datas]))
     return out
 
 
