@@ -15,13 +15,14 @@ Symbols:
     g_k (``grad``)     client gradient     p_k            n_k (``weighting="data_size"``, the paper) or 1
 
 Named option ``batch``: "full" (the default, the paper's B = infinity) ignores the round's batches;
-"batches" takes g_k over the rows the runtime sampled for the round instead ([S, B] flattened to one batch of
-S*B rows, drawn twice counts twice): large-batch SGD on a sample, not the paper's FedSGD. The two coincide
-when the runtime plans exactly one local epoch.
+"batches" takes g_k over the S*B rows the runtime sampled for the round instead (drawn twice counts twice):
+large-batch SGD on a sample, not the paper's FedSGD. The two coincide when the runtime plans exactly one local
+epoch. Either way the gradient is one masked mean over all those rows, evaluated in blocks of the batch size.
 
 Equals FedAvg with ONE local step on the same examples as one batch and the same eta and weighting (FedAvg
 with E = 1, B = infinity: one step of batch >= n_k; "batches": S = 1, B = S*B): FedAvg's Delta_k = -eta g_k, so
-its server step is the same, up to float rounding (the rows are summed in another order).
+its server step is the same, up to float rounding (the rows are summed in another order), for models without
+BatchNorm (whose batch statistics would be those of each block).
 An empty round changes nothing.
 """
 

@@ -3,8 +3,9 @@
 A chunk of c clients becomes one batched call: their ``ClientData`` stacked to ``[c, S, B, ...]`` (clients
 with fewer steps are padded with all-padding steps, which ``local_train`` treats as no-ops; the whole local
 data of a full-pass algorithm likewise, to the chunk's largest client), their ``ClientInfo`` and states
-stacked leafwise; the broadcast, round and model are shared. Uploads come back batched and are added to the aggregator one client at a time, in cohort order, so the float64 sums are the
-same sequence of additions as ``loop``'s. On a GPU the chunk runs there (the aggregate and states come back
+stacked leafwise; the broadcast, round and model are shared. Uploads come back batched and are added to the
+aggregator one client at a time, in cohort order, so the float64 sums are the same sequence of additions as
+``loop``'s. On a GPU the chunk runs there (the aggregate and states come back
 to the CPU); on a CPU it runs in place, for testing (grouped convolutions make it no faster than ``loop``).
 
 Equality with ``loop``: up to float rounding for dropout-free models. Dropout under vmap draws each chunk's
