@@ -86,6 +86,7 @@ class Algorithm(Protocol):
     """What the runtime needs from an algorithm (see ``core.algorithm.FedAlgorithm`` for the base class)."""
 
     lr: float
+    needs_full_pass: bool  # True: the runtime also builds ``data.full``, the client's whole local data
 
     def init_server(self, params: Params) -> Any: ...
 
