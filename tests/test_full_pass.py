@@ -265,8 +265,7 @@ def test_the_loop_engine_hands_the_whole_local_data() -> None:
     x, y = fed.preprocess(fed.x_train[rows]), fed.y_train[rows]
     leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     ref = torch.autograd.grad(model.loss(leaves, x, y, torch.ones(len(rows))), list(leaves.values()))
-    for (k, g), r in zip(out.aggregate.grad.items(), ref, strict=True):
-        assert float((g.float() - r).norm()) <= 1e-6 * float(r.norm()) + 1e-9, k
+    assert_near(list(out.aggregate.grad.values()), list(ref))  # blocks of 2 rows against one batch of 14
 
 
 def mlp() -> FunctionalModel:
