@@ -221,7 +221,7 @@ def step_times(workload: str, algorithm: str, tries: int = 30) -> dict[str, floa
 
     _linux_worker_setup()  # as in a worker (it also helps the usual loop: both allocate per step)
     cid = int(exp.cohort(2)[0])
-    data, info = fed.client_data(seed, 2, cid, plan), fed.client_info(cid)
+    data, info = fed.client_data(seed, 2, cid, plan, full=alg.needs_full_pass), fed.client_info(cid)
     rnd = RoundInfo(2, fed.num_clients, 1)
     msg = alg.broadcast(alg.init_server(model.params()), rnd)
     state = alg.init_client(model.params())

@@ -106,7 +106,7 @@ def simulate_with_drops(exp: Experiment, drops: dict[int, set[int]]) -> dict[str
             if cid in drops.get(t, set()):
                 continue
             torch.manual_seed(seed_for(cfg.seed, "client_torch", t, cid))
-            data = fed.client_data(cfg.seed, t, cid, exp.plan)
+            data = fed.client_data(cfg.seed, t, cid, exp.plan, full=alg.needs_full_pass)
             res = alg.client_update(msg, store.gather(cid), data, fed.client_info(cid), rnd, model)
             agg.add(tree.detach(res.upload), res.weight)
             store.scatter(cid, res.state)

@@ -37,12 +37,23 @@ COHORTS = [[1, 2], [2, 3], [1, 3]]
 
 
 def client_data(a: tuple[float, float], steps: int, batch: int = 2, real_steps: int | None = None) -> ClientData:
-    """``steps`` batches of the point ``a``; steps after ``real_steps`` are all padding (mask 0)."""
+    """``steps`` batches of the point ``a``; steps after ``real_steps`` are all padding (mask 0). The client's
+    whole local data (``full``, read by full-pass algorithms) is the point ``a`` again, in ``batch`` rows."""
     x = torch.tensor(a, dtype=torch.float32).expand(steps, batch, 2).clone()
     mask = torch.ones(steps, batch)
     if real_steps is not None:
         mask[real_steps:] = 0.0
-    return ClientData(x, torch.zeros(steps, batch, dtype=torch.long), mask)
+    full = ClientData(x[:1].clone(), torch.zeros(1, batch, dtype=torch.long), torch.ones(1, batch))
+    return ClientData(x, torch.zeros(steps, batch, dtype=torch.long), mask, full)
+
+
+def rows_data(steps: list[list[tuple[float, float]]], batch: int, rows: list[tuple[float, float]]) -> ClientData:
+    """One batch per entry of ``steps`` (its points, padded to ``batch`` with the last point again, masked out), and
+    ``full``: the client's whole local data ``rows``, one batch ``[1, n_i, 2]``, as the runtime builds it."""
+    x = torch.tensor([s + [s[-1]] * (batch - len(s)) for s in steps])
+    mask = torch.tensor([[1.0] * len(s) + [0.0] * (batch - len(s)) for s in steps])
+    full = ClientData(torch.tensor([rows]), torch.zeros(1, len(rows), dtype=torch.long), torch.ones(1, len(rows)))
+    return ClientData(x, torch.zeros(mask.shape, dtype=torch.long), mask, full)
 
 
 def info(p: float, n: float = 1.0) -> ClientInfo:

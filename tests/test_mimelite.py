@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, w
+from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, rows_data, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.mimelite import MimeLite, ServerState
@@ -89,20 +89,73 @@ def test_beta_zero_is_fedavg_exactly(weighting: str, server_lr: float) -> None:
         assert torch.equal(ms.params["w"], fs.params["w"])
 
 
+R1, R2, R3, Q = (1.0, 0.0), (0.0, 2.0), (2.0, 1.0), (-1.0, -1.0)
+SIZES_31 = {1: 3.0, 2: 1.0}  # n_1 = 3 rows (r1, r2, r3), n_2 = 1 row (q)
+
+
+@pytest.mark.parametrize("stats", ["full", "batches"])
+def test_one_round_on_a_mini_batch_plan_by_hand(stats: str) -> None:
+    """Unequal clients on a steps plan (S = 2, B = 2); eta = 0.5, beta = 0.5, x_0 = 0, m_0 = 0; data-size weights.
+    client 1: rows r1 = (1, 0), r2 = (0, 2), r3 = (2, 1) (n = 3, mean (1, 1)); the plan draws [r1, r2], [r3, r1]
+              (a fresh permutation starts in step 2), mean of the sampled rows (1, 0.75).
+    client 2: the row q = (-1, -1) (n = 1 < B): each step [q, padding], a partial batch.
+    c_i = x - mean:  full (the paper): c_1 = (-1, -1);  batches (the sampled rows): c_1 = (-1, -0.75);  c_2 = (1, 1).
+    m_1 = 0.5 (3 c_1 + c_2) / 4:  full (-0.25, -0.25);  batches 0.5 (-0.5, -0.3125) = (-0.25, -0.15625).
+    Local steps (m_0 = 0): y <- y - 0.25 g, the same for both forms:
+        client 1: g = (-0.5, -1), y = (0.125, 0.25); g = (0.125 - 1.5, 0.25 - 0.5), y = (0.46875, 0.3125)
+        client 2: g = (1, 1), y = (-0.25, -0.25); g = (0.75, 0.75), y = (-0.4375, -0.4375)
+    x_1 = (3 (0.46875, 0.3125) + (-0.4375, -0.4375)) / 4 = (0.2421875, 0.125)."""
+    data = {1: rows_data([[R1, R2], [R3, R1]], 2, [R1, R2, R3]), 2: rows_data([[Q], [Q]], 2, [Q])}
+    (s1, r1, _), *_ = rounds(MimeLite(lr=0.5, beta=0.5, stats=stats), [[1, 2]], w(0.0, 0.0), data=data, sizes=SIZES_31)
+    assert close(r1[1].upload.grad, [-1.0, -1.0] if stats == "full" else [-1.0, -0.75])
+    assert close(r1[2].upload.grad, [1.0, 1.0])
+    assert close(s1.m, [-0.25, -0.25] if stats == "full" else [-0.25, -0.15625])
+    assert close(r1[1].upload.delta, [0.46875, 0.3125]) and close(r1[2].upload.delta, [-0.4375, -0.4375])
+    assert close(s1.params, [0.2421875, 0.125])
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [[[R1, R2, R3]], [[R1, R2], [R3]], [[R3, R1], [R2]]],
+    ids=["one-full-batch", "epoch-partial-last", "epoch-other-order"],
+)
+def test_both_forms_agree_on_one_epoch_plans(steps: list) -> None:
+    """When the round's plan is exactly one epoch (one full batch, or batches of 2 with a partial last one), the
+    round's rows are the client's rows once, so stats="batches" gives the paper's c_1 = x - (1, 1) too."""
+    data = rows_data(steps, 3, [R1, R2, R3])
+    for stats in ("full", "batches"):
+        alg = MimeLite(lr=0.5, beta=0.5, stats=stats)
+        res = alg.client_update(alg.init_server(w(0.5, 0.0)), (), data, info(0.75, 3.0), rnd(1, 1), MODEL)
+        assert close(res.upload.grad, [-0.5, -1.0]), stats
+
+
 def test_full_batch_gradient_respects_mask() -> None:
     """Real rows (1, 0), (0, 2), (0, 2); a padded row (100, 100) and a padded step (50, -50) are ignored.
-    At x = (0, 0): grad = x - mean of real rows = -(1/3, 4/3); loss = (0.5 + 2 + 2) / 3 = 1.5."""
+    At x = (0, 0): grad = x - mean of real rows = -(1/3, 4/3); loss = (0.5 + 2 + 2) / 3 = 1.5. The same rows as
+    the whole local data, padded as under vmap ([1, 4] with the last row masked), give the same c_i."""
     x = torch.tensor([[[1.0, 0.0], [100.0, 100.0]], [[0.0, 2.0], [0.0, 2.0]], [[50.0, -50.0], [50.0, -50.0]]])
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
-    data = ClientData(x, torch.zeros(3, 2, dtype=torch.long), mask)
+    full = ClientData(x.reshape(1, 6, 2)[:, :4], torch.zeros(1, 4, dtype=torch.long), torch.tensor([[1.0, 0, 1, 1]]))
+    data = ClientData(x, torch.zeros(3, 2, dtype=torch.long), mask, full)
     g, f = full_gradient(MODEL, w(0.0, 0.0), data)
     assert close(g, [-1 / 3, -4 / 3]) and abs(float(f) - 1.5) < 1e-6
-    alg = MimeLite(lr=0.5, beta=0.5)
-    res = alg.client_update(alg.init_server(w(0.0, 0.0)), (), data, info(0.25, 3.0), rnd(1, 1), MODEL)
-    assert close(res.upload.grad, [-1 / 3, -4 / 3])
-    empty = ClientData(x, data.y, torch.zeros(3, 2))  # a client with no real example: no step, zero gradient
+    for stats in ("full", "batches"):
+        alg = MimeLite(lr=0.5, beta=0.5, stats=stats)
+        res = alg.client_update(alg.init_server(w(0.0, 0.0)), (), data, info(0.25, 3.0), rnd(1, 1), MODEL)
+        assert close(res.upload.grad, [-1 / 3, -4 / 3])
+    empty = ClientData(x, data.y, torch.zeros(3, 2), full._replace(mask=torch.zeros(1, 4)))  # no real example
     res = alg.client_update(alg.init_server(w(0.5, 0.5)), (), empty, info(0.0, 0.0), rnd(1, 1), MODEL)
     assert close(res.upload.grad, [0.0, 0.0]) and close(res.upload.delta, [0.0, 0.0])
+
+
+def test_full_stats_need_the_whole_local_data() -> None:
+    """The runtime builds ``data.full`` only when asked (``needs_full_pass``); without it: one line, no guess."""
+    assert MimeLite().needs_full_pass and not MimeLite(stats="batches").needs_full_pass
+    alg = MimeLite()
+    bare = client_data(A[1], 2)._replace(full=())
+    with pytest.raises(ValueError, match=r"^mimelite needs the client's whole local data in data.full") as err:
+        alg.client_update(alg.init_server(w(0.0, 0.0)), (), bare, info(0.25), rnd(1, 1), MODEL)
+    assert "\n" not in str(err.value)
 
 
 def test_momentum_is_frozen_during_local_steps() -> None:
@@ -132,6 +185,7 @@ def test_empty_round_keeps_server_state() -> None:
         ({"momentum_form": "nesterov"}, "algorithm.momentum_form='nesterov': choose one of 'ema', 'heavy_ball'"),
         ({"server_lr": 0}, "algorithm.server_lr=0.0: must be > 0"),
         ({"weighting": "equal"}, "algorithm.weighting='equal': choose one of 'data_size', 'uniform'"),
+        ({"stats": "sampled"}, "algorithm.stats='sampled': choose one of 'full', 'batches'"),
     ],
 )
 def test_bad_hyperparameters(settings: dict, message: str) -> None:

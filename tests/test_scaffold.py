@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, run_round, w
+from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, rows_data, run_round, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.scaffold import SCAFFOLD, ClientState, ServerState, Upload
@@ -106,9 +106,8 @@ def test_k_counts_real_steps_only() -> None:
 
 
 def test_option1_uses_gradient_at_x() -> None:
-    """Option I: c_i+ = grad f_i(x) = x - a_i over the round's real batches. Round 1: c_1+ = (-1, 0),
-    c_2+ = (0, -2); the local steps are the same as option II, so x_1 = (0.375, 0.75) and
-    c = (2/3) mean dc = (2/3)(-0.5, -1) = (-1/3, -2/3). Padded steps are not averaged in."""
+    """Option I: c_i+ = grad f_i(x) = x - a_i. Round 1: c_1+ = (-1, 0), c_2+ = (0, -2); the local steps are the
+    same as option II, so x_1 = (0.375, 0.75) and c = (2/3) mean dc = (2/3)(-0.5, -1) = (-1/3, -2/3)."""
     s1, _, _, _, st1, _ = two_rounds(control="option1")
     assert close(st1[1].c_i, [-1.0, 0.0]) and close(st1[2].c_i, [0.0, -2.0])
     assert close(s1.params, [0.375, 0.75]) and close(s1.c, [-1 / 3, -2 / 3])
@@ -118,6 +117,29 @@ def test_option1_uses_gradient_at_x() -> None:
         msg, ClientState(w(0.0, 0.0)), client_data(A[3], 4, real_steps=1), info(0.5), rnd(1, 1), MODEL
     )
     assert close(res.state.c_i, [1.5, 1.5])
+
+
+R1, R2, R3 = (1.0, 0.0), (0.0, 2.0), (2.0, 1.0)  # client 1's rows, mean (1, 1)
+S1, S2 = (0.0, -2.0), (-2.0, -2.0)  # client 2's rows, mean (-1, -2)
+
+
+def test_option1_is_one_pass_over_all_local_data_by_hand() -> None:
+    """Option I is the gradient at x over every local row once, not a mean of the round's batch means.
+    eta_l = 0.5, x_0 = 0, c = c_i = 0, N = 3, cohort {1, 2}:
+    client 1, one-epoch plan of B = 2: [r1, r2], [r3, padding] (a partial last batch).
+        c_1+ = x - (1, 1) = (-1, -1)  (the mean of batch means, ((0.5, 1) + (2, 1)) / 2, would give (-1.25, -1))
+        steps: g = (-0.5, -1), y = (0.25, 0.5); g = (0.25 - 2, 0.5 - 1), y = (1.125, 0.75)
+    client 2, a steps plan S = 1, B = 1 that draws s1 = (0, -2) only; s2 = (-2, -2) is never drawn.
+        c_2+ = x - (-1, -2) = (1, 2)  (the round's batches alone would give (0, 2))
+        step: g = (0, 2), y = (0, -1)
+    server: x_1 = ((1.125, 0.75) + (0, -1)) / 2 = (0.5625, -0.125); c = (2/3)(0, 0.5) = (0, 1/3)."""
+    data = {1: rows_data([[R1, R2], [R3]], 2, [R1, R2, R3]), 2: rows_data([[S1]], 1, [S1, S2])}
+    [(s1, r1, st1)] = rounds(SCAFFOLD(lr=0.5, control="option1"), [[1, 2]], w(0.0, 0.0), data=data)
+    assert close(st1[1].c_i, [-1.0, -1.0]) and close(r1[1].upload.dc, [-1.0, -1.0])
+    assert close(st1[2].c_i, [1.0, 2.0]) and close(r1[2].upload.dc, [1.0, 2.0])
+    assert close(r1[1].upload.dy, [1.125, 0.75]) and close(r1[2].upload.dy, [0.0, -1.0])
+    assert close(s1.params, [0.5625, -0.125]) and close(s1.c, [0.0, 1 / 3])
+    assert SCAFFOLD(control="option1").needs_full_pass and not SCAFFOLD().needs_full_pass
 
 
 def test_empty_round_keeps_server_state() -> None:

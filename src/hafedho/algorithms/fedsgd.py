@@ -6,19 +6,23 @@ each selected client computes ONE gradient of its loss at the current model on i
 averages the gradients and takes one step.
 
 Round t, cohort S_t of m clients:
-    client k:  g_k = grad F_k(w_t), the masked-mean gradient over ALL of the round's data at once
-               (``core.full_gradient``: [S, B] flattened to [S*B]; no local steps, no loop)
+    client k:  g_k = grad F_k(w_t), the masked-mean gradient over ALL of the client's local data at once
+               (B = infinity: ``needs_full_pass``, ``data.full``, ``core.full_gradient``; no local steps)
     server:    w_{t+1} = w_t - eta sum_k p_k g_k / sum_k p_k
 
 Symbols:
     w_t (``params``)   global model        eta (``lr``)   learning rate, applied on the server
     g_k (``grad``)     client gradient     p_k            n_k (``weighting="data_size"``, the paper) or 1
 
-How much data "all of it" is, is the runtime's choice: one local epoch gives the paper's full local batch
-(B = infinity); a step count S with batch B gives S*B sampled examples (the paper's C-fraction, B = S*B).
+Named option ``batch``: "full" (the default, the paper's B = infinity) ignores the round's batches;
+"batches" takes g_k over the S*B rows the runtime sampled for the round instead (drawn twice counts twice):
+large-batch SGD on a sample, not the paper's FedSGD. The two coincide when the runtime plans exactly one local
+epoch. Either way the gradient is one masked mean over all those rows, evaluated in blocks of the batch size.
 
-Equals FedAvg with ONE local step on the same examples as one batch (S = 1, B = S*B) and the same eta and
-weighting: FedAvg's Delta_k = -eta g_k, so its server step is the same.
+Equals FedAvg with ONE local step on the same examples as one batch and the same eta and weighting (FedAvg
+with E = 1, B = infinity: one step of batch >= n_k; "batches": S = 1, B = S*B): FedAvg's Delta_k = -eta g_k, so
+its server step is the same, up to float rounding (the rows are summed in another order), for models without
+BatchNorm (whose batch statistics would be those of each block).
 An empty round changes nothing.
 """
 
@@ -59,6 +63,15 @@ class FedSGD(FedAlgorithm):
     name = "fedsgd"
     lr: float = hp(0.05, "learning rate eta of the server step w <- w - eta g (no local steps)", gt=0)
     weighting: str = hp("data_size", "aggregation weight p_k", choices=("data_size", "uniform"))
+    batch: str = hp(
+        "full",
+        "g_k over: full (all local data, B = infinity; paper) or batches (the round's S x B sampled rows)",
+        choices=("full", "batches"),
+    )
+
+    @property
+    def needs_full_pass(self) -> bool:
+        return self.batch == "full"
 
     def init_server(self, params: Params) -> ServerState:
         return ServerState(params)
@@ -69,7 +82,7 @@ class FedSGD(FedAlgorithm):
     def client_update(
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
-        g, f = full_gradient(model, msg.params, data)
+        g, f = full_gradient(model, msg.params, self.full_data(data) if self.batch == "full" else data)
         weight = aggregation_weight(info, self.weighting)
         return ClientResult(Upload(g), weight, state, {"train/loss": f})
 

@@ -7,7 +7,8 @@ server updates it, from full-batch gradients at the round-start model, so local 
 
 Round t, cohort S of m clients, broadcast (x, m):
     client i:  y_i <- x;  K steps  y_i <- y_i - eta ((1 - beta) g_i(y_i; batch) + beta m)    (m frozen)
-               c_i = grad f_i(x), the full-batch gradient at x over the round's data (``core.full_gradient``)
+               c_i = grad f_i(x), the full-batch gradient at x over ALL of the client's local data
+                     (one extra pass: ``needs_full_pass``, ``data.full``, ``core.full_gradient``)
                upload (Delta_i = y_i - x, c_i)
     server:    x <- x + eta_g sum_i p_i Delta_i / sum_i p_i          (eta_g = 1: x <- mean_i y_i, the paper)
                m <- (1 - beta) sum_i p_i c_i / sum_i p_i + beta m     (m uses the OLD x's gradients)
@@ -27,8 +28,10 @@ Where implementations differ from the paper (named options):
     weighting      Algorithm 1 writes 1/|S| ("uniform"); FedJAX and TFF weight both the deltas and the
                    gradients by example counts ("data_size", the default, as FedAvg here). One weight per
                    upload, so the deltas and the gradients are always averaged with the same p_i.
-    The full-batch gradient is over the examples the runtime sampled for this round (FedJAX/TFF: the client's
-    whole dataset, once). They coincide when the runtime plans exactly one local epoch.
+    stats          "full" (the paper, and FedJAX ``mime_lite``'s pass over the client's whole dataset): c_i is
+                   the masked-mean gradient at x over every local row once. "batches": over the rows the
+                   runtime sampled for this round's steps (S x B, drawn twice counts twice; no extra pass),
+                   an approximation. The two coincide when the runtime plans exactly one local epoch.
 
 Reduces to FedAvg (same ``weighting`` and ``server_lr``) when beta = 0, exactly: U = 1 g + 0 m.
 An empty round changes nothing (m is not decayed).
@@ -69,7 +72,7 @@ Broadcast = ServerState  # the wire payload is (x, m)
 
 class Upload(NamedTuple):
     delta: Params  # Delta_i = y_i - x
-    grad: Params  # c_i = grad f_i(x), full batch over the round's data
+    grad: Params  # c_i = grad f_i(x), full batch over the client's local data (``stats``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +85,15 @@ class MimeLite(FedAlgorithm):
     )
     server_lr: float = hp(1.0, "server learning rate eta_g on the averaged delta (1 = mean of y_i)", gt=0)
     weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
+    stats: str = hp(
+        "full",
+        "c_i = grad f_i(x) over: full (all local data, one extra pass; paper) or batches (the round's sampled rows)",
+        choices=("full", "batches"),
+    )
+
+    @property
+    def needs_full_pass(self) -> bool:
+        return self.stats == "full"
 
     @property
     def grad_coef(self) -> float:
@@ -99,7 +111,7 @@ class MimeLite(FedAlgorithm):
     ) -> ClientResult:
         step = chain(mix(msg.m, self.grad_coef, self.beta), sgd(self.lr))  # m frozen for all K steps
         res = local_train(plain_objective(model), msg.params, data, step)
-        c_i, _ = full_gradient(model, msg.params, data)
+        c_i, _ = full_gradient(model, msg.params, self.full_data(data) if self.stats == "full" else data)
         weight = aggregation_weight(info, self.weighting)
         upload = Upload(tree.sub(res.params, msg.params), c_i)
         return ClientResult(upload, weight, state, {"train/loss": res.loss})

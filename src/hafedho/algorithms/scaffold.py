@@ -5,7 +5,8 @@ Karimireddy, Kale, Mohri, Reddi, Stich, Suresh, ICML 2020, arXiv:1910.06378 (Alg
 Round t, cohort S of m clients out of N; server state (x, c), client state c_i (0 before its first round):
     client i:  y_i <- x;  K_i steps  y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
                c_i+ = c_i - c + (x - y_i) / (K_i eta_l)            (option II, the default)
-               c_i+ = grad f_i(x)  over the round's batches          (option I: one extra pass, no step)
+               c_i+ = grad f_i(x)  over ALL of the client's local data  (option I: "an additional pass over
+                      the local data to compute the gradient at the server model x"; ``data.full``)
                upload (Delta y_i, Delta c_i) = (y_i - x, c_i+ - c_i);  c_i <- c_i+
     server:    x <- x + eta_g (1/m) sum_i Delta y_i
                c <- c + (m/N) (1/m) sum_i Delta c_i                 (= (1/N) sum_i Delta c_i)
@@ -21,6 +22,9 @@ Facts (each is a test): the uploads are averaged uniformly, as Algorithm 1 write
 uploads zeros; clients not sampled keep c_i exactly; c = (1/N) sum_i c_i at every round.
 Known bugs avoided: c_i overwritten before Delta c_i is computed (Delta c = 0), the correction applied with
 the wrong sign, only the last client's control variate aggregated, K counted in examples instead of steps.
+Option I's gradient is the masked mean over every local row once, at x, whatever the round's plan (a partial
+last batch weighs per row, rows the steps never drew count); the runtime builds that data for it
+(``needs_full_pass``).
 The authors released no code; the FedDyn authors' re-implementation (github alpemreacar/FedDyn) scales c by
 1/(N p_i) and Delta c_i by N p_i and clips gradients, which is not Algorithm 1 and is not offered here.
 
@@ -42,8 +46,8 @@ from hafedho.core import (
     Model,
     Params,
     RoundInfo,
-    Transform,
     chain,
+    full_gradient,
     hp,
     local_train,
     plain_objective,
@@ -70,19 +74,19 @@ class Upload(NamedTuple):
     dc: Params  # Delta c_i = c_i+ - c_i
 
 
-# Evaluates gradients without moving: local_train's grad_sum over the round's batches at x (option I).
-_FROZEN = Transform(lambda p: (), lambda g, s, p: (tree.zeros_like(g), s))
-
-
 @dataclass(frozen=True, kw_only=True)
 class SCAFFOLD(FedAlgorithm):
     name = "scaffold"
     server_lr: float = hp(1.0, "global step size eta_g applied to the mean Delta y", gt=0)
     control: str = hp(
         "option2",
-        "c_i+ rule: option2 (from the local trajectory) or option1 (grad f_i(x))",
+        "c_i+ rule: option2 (from the local trajectory) or option1 (grad f_i(x) over all local data, one extra pass)",
         choices=("option2", "option1"),
     )
+
+    @property
+    def needs_full_pass(self) -> bool:
+        return self.control == "option1"
 
     def init_server(self, params: Params) -> ServerState:
         return ServerState(params, tree.zeros_like(params))
@@ -103,8 +107,7 @@ class SCAFFOLD(FedAlgorithm):
         if self.control == "option2":
             new = tree.axpy(1.0 / (k.clamp(min=1.0) * self.lr), tree.sub(x, res.params), tree.sub(c_i, c))
         else:
-            at_x = local_train(objective, x, data, _FROZEN)
-            new = tree.scale(at_x.grad_sum, 1.0 / at_x.steps.clamp(min=1.0))
+            new, _ = full_gradient(model, x, self.full_data(data))
         c_plus = tree.where(k > 0, new, c_i)  # K_i = 0: nothing was learnt, keep c_i
         upload = Upload(tree.sub(res.params, x), tree.sub(c_plus, c_i))
         weight = torch.ones_like(info.num_examples)

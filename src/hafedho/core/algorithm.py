@@ -15,6 +15,7 @@ from torch import Tensor
 
 from hafedho.core.aggregate import WeightedMean
 from hafedho.core.tree import Params
+from hafedho.core.types import ClientData
 
 
 class ConfigError(ValueError):
@@ -95,6 +96,24 @@ class FedAlgorithm:
     def describe(cls) -> list[tuple[str, Any, str]]:
         """``(name, default, help)`` for each hyperparameter, for ``hafedho algorithms``."""
         return [(f.name, f.default, f.metadata.get("help", "")) for f in dataclasses.fields(cls)]
+
+    @property
+    def needs_full_pass(self) -> bool:
+        """True when ``client_update`` reads ``data.full``, the client's whole local data (one extra pass).
+
+        The runtime (every engine, the Flower client) then builds it beside the round's batches; algorithms
+        that override this take it with ``full_data``.
+        """
+        return False
+
+    def full_data(self, data: ClientData) -> ClientData:
+        """``data.full``: all of the client's rows, each once, as masked blocks; one line if absent."""
+        if not isinstance(data.full, ClientData):
+            raise ValueError(
+                f"{self.name} needs the client's whole local data in data.full (one extra pass); build the data "
+                "with FederatedData.client_data(..., full=alg.needs_full_pass), as the runtime does"
+            )
+        return data.full
 
     def init_client(self, params: Params) -> Any:
         return ()

@@ -144,19 +144,31 @@ def aggregation_weight(info: ClientInfo, weighting: str) -> Tensor:
 
 
 def full_gradient(model: Any, params: Params, data: ClientData) -> tuple[Params, Tensor]:
-    """``(grad f_i(params), f_i(params))`` of the plain masked-mean loss over ALL of a round's real examples at once.
+    """``(grad f_i(params), f_i(params))`` of the plain masked-mean loss over ALL of ``data``'s real examples.
 
-    The ``[S, B, ...]`` batches are flattened into one batch of ``S*B`` rows and ``mask`` keeps the padding out,
-    so this is the full-batch gradient over the client's data *as sampled for this round* (exactly its dataset
-    once when the runtime plans one local epoch; with a fixed step count, examples drawn twice count twice).
-    One gradient evaluation, not a training loop (FedSGD's upload, MimeLite's ``grad f_i(x)``); memory is that
-    of one forward/backward pass on ``S*B`` rows. An all-padding client gets a zero gradient and loss 0.
+    One gradient at ``params`` over every real row of every step (the mask keeps padding out), not a training
+    loop: sum_s n_s grad f_s / sum_s n_s with n_s the real rows of step s, which is the gradient of the masked
+    mean over all rows at once, computed step by step so that memory is that of one step's batch. Given
+    ``data.full`` this is the full-batch gradient over the client's whole local data (FedSGD's upload, MimeLite's
+    and SCAFFOLD option I's ``grad f_i(x)``); given a round's batches, over its data *as sampled for this round*
+    (its dataset once when the runtime plans one local epoch; with a fixed step count, examples drawn twice count
+    twice). Equal to the one-batch gradient up to float rounding, except for models with BatchNorm, whose batch
+    statistics are then those of each step. An all-padding client gets a zero gradient and loss 0.
     Pure and branch-free (vmap-safe).
     """
-    x, y, m = data.x.flatten(0, 1), data.y.flatten(0, 1), data.mask.flatten(0, 1)
 
-    def with_value(p: Params) -> tuple[Tensor, Tensor]:
+    def with_value(p: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
         f = model.loss(p, x, y, m)
         return f, f.detach()
 
-    return value_grad(with_value)(params)
+    grad_fn = value_grad(with_value)
+    dtype = next(iter(params.values())).dtype
+    rows = data.mask.to(dtype).flatten(1).sum(1)  # n_s, real rows per step
+    total = rows.sum().clamp(min=1.0)
+    g_sum, f_sum = tree.zeros_like(params), torch.zeros((), dtype=dtype, device=total.device)
+    for s in range(data.x.shape[0]):
+        g, f = grad_fn(params, data.x[s], data.y[s], data.mask[s])
+        share = rows[s] / total  # 0 for an all-padding step, whose (finite) gradient drops out
+        g_sum = tree.axpy(share, g, g_sum)
+        f_sum = f_sum + share * f
+    return g_sum, f_sum

@@ -31,11 +31,20 @@ class ClientInfo(NamedTuple):
 
 
 class ClientData(NamedTuple):
-    """A client's local work for one round, built by the runtime; algorithms never build batches."""
+    """A client's local work for one round, built by the runtime; algorithms never build batches.
+
+    ``full`` is the client's whole local data, its rows each once in partition order, as a masked
+    ``ClientData`` ``[ceil(n_i / B), B, ...]`` (blocks of the round's batch size, which bound the memory of a pass
+    over it; padded to the chunk's largest client under vmap). It is built only for an algorithm whose
+    ``needs_full_pass`` is true (MimeLite's and SCAFFOLD option I's gradient at x, FedSGD's B = infinity), which
+    reads it with ``core.full_gradient``; otherwise it is ``()``, an empty pytree, so that
+    ``vmap(..., in_dims=0)`` over a ``ClientData`` still works.
+    """
 
     x: Tensor  # [S, B, ...]  S local steps of batch B
     y: Tensor  # [S, B]
     mask: Tensor  # [S, B]  1 = real example, 0 = padding (unequal client sizes, unequal step counts)
+    full: ClientData | tuple[()] = ()  # [ceil(n_i / B), B, ...]: all of the client's rows when asked for, else ()
 
 
 class ClientResult(NamedTuple):
@@ -77,6 +86,7 @@ class Algorithm(Protocol):
     """What the runtime needs from an algorithm (see ``core.algorithm.FedAlgorithm`` for the base class)."""
 
     lr: float
+    needs_full_pass: bool  # True: the runtime also builds ``data.full``, the client's whole local data
 
     def init_server(self, params: Params) -> Any: ...
 

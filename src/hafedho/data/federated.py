@@ -144,8 +144,24 @@ class FederatedData:
         n = float(self.sizes[cid])
         return ClientInfo(torch.tensor(n / float(self.sizes.sum()), dtype=dtype), torch.tensor(n, dtype=dtype))
 
-    def client_data(self, seed: int, rnd: int, cid: int, plan: BatchPlan) -> ClientData:
+    def client_data(self, seed: int, rnd: int, cid: int, plan: BatchPlan, full: bool = False) -> ClientData:
+        """Client ``cid``'s batches for round ``rnd``; with ``full``, also its whole local data (``full_data``)."""
         pos, mask = plan_indices(rng_for(seed, "batches", rnd, cid), int(self.sizes[cid]), plan)
         idx = torch.from_numpy(self.parts[cid][pos])  # [S, B] global train indices
         x = self.preprocess(self.x_train[idx.reshape(-1)])
-        return ClientData(x.reshape(*idx.shape, *x.shape[1:]), self.y_train[idx], torch.from_numpy(mask))
+        data = ClientData(x.reshape(*idx.shape, *x.shape[1:]), self.y_train[idx], torch.from_numpy(mask))
+        return data._replace(full=self.full_data(cid, plan.batch_size)) if full else data
+
+    def full_data(self, cid: int, batch_size: int) -> ClientData:
+        """All of client ``cid``'s training rows, each once, in partition order: ``[ceil(n_i / B), B, ...]``.
+
+        The blocks only bound the memory of a pass over them (``core.full_gradient`` weighs each by its real
+        rows); the last block is padded with the client's last row again, masked out.
+        """
+        n = int(self.sizes[cid])
+        blocks = math.ceil(n / batch_size)
+        pos = np.minimum(np.arange(blocks * batch_size), n - 1)
+        idx = torch.from_numpy(self.parts[cid][pos]).view(blocks, batch_size)
+        x = self.preprocess(self.x_train[idx.reshape(-1)])
+        mask = (torch.arange(blocks * batch_size) < n).float().view(blocks, batch_size)
+        return ClientData(x.reshape(blocks, batch_size, *x.shape[1:]), self.y_train[idx], mask)

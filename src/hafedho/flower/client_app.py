@@ -1,8 +1,8 @@
 """The Flower ClientApp: a SuperNode's half of any registered algorithm.
 
 ``train`` runs exactly the simulator's client step (``hafedho.sim.engines.loop_engine``): the torch seed
-``seed_for(seed, "client_torch", t, i)``, the data ``fed.client_data(seed, t, i, plan)`` and
-``alg.client_update``. The client's ``ClientState`` lives in ``context.state``, which the SuperNode keeps for the
+``seed_for(seed, "client_torch", t, i)``, the data ``fed.client_data(seed, t, i, plan, full=alg.needs_full_pass)``
+and ``alg.client_update``. The client's ``ClientState`` lives in ``context.state``, which the SuperNode keeps for the
 run. The node's partition (= the simulator's client id) and N come from its node config and are checked against
 what the server sends; nothing is guessed.
 
@@ -93,7 +93,7 @@ def train(msg: Message, context: Context) -> Message:
     state = _client_state(exp, context)
     model.train()
     torch.manual_seed(seed_for(cfg.seed, "client_torch", t, cid))  # dropout: pure in (seed, t, i), as simulated
-    data = fed.client_data(cfg.seed, t, cid, exp.plan)
+    data = fed.client_data(cfg.seed, t, cid, exp.plan, full=alg.needs_full_pass)  # as RoundWork.client_update
     res = alg.client_update(bmsg, state, data, client_info(exp, cid, context.node_config), rnd, model)
     context.state[STATE_KEY] = codec.encode(tree.detach(res.state))
     weight = torch.as_tensor(res.weight).detach()

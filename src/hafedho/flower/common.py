@@ -122,6 +122,7 @@ def upload_template(exp: Experiment) -> tuple[Any, Tensor]:
     msg = alg.broadcast(server_template(exp), rnd)
     x = torch.zeros((1, 1, *fed.input_shape), dtype=torch.float32)
     data = ClientData(x, torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1)))
+    data = data._replace(full=data) if alg.needs_full_pass else data  # an all-padding full pass too
     with torch.random.fork_rng():
         res = alg.client_update(msg, client_template(exp), data, fed.client_info(0), rnd, model)
     return tree.detach(res.upload), torch.as_tensor(res.weight).detach()

@@ -73,7 +73,7 @@ class RoundWork:
     def client_update(self, cid: int, state: Any) -> ClientResult:
         """Client ``cid``'s update from ``state``, seeded as every engine seeds it (dropout pure in (seed, t, i))."""
         torch.manual_seed(seed_for(self.seed, "client_torch", self.rnd.round, cid))
-        data = self.fed.client_data(self.seed, self.rnd.round, cid, self.plan)
+        data = self.fed.client_data(self.seed, self.rnd.round, cid, self.plan, full=self.alg.needs_full_pass)
         info = self.fed.client_info(cid)
         return self.alg.client_update(self.msg, state, data, info, self.rnd, self.model)
 

@@ -1,10 +1,11 @@
 """The ``vmap`` engine: ``torch.func.vmap`` of ``alg.client_update`` over chunks of the cohort.
 
 A chunk of c clients becomes one batched call: their ``ClientData`` stacked to ``[c, S, B, ...]`` (clients
-with fewer steps are padded with all-padding steps, which ``local_train`` treats as no-ops), their
-``ClientInfo`` and states stacked leafwise; the broadcast, round and model are shared. Uploads come back
-batched and are added to the aggregator one client at a time, in cohort order, so the float64 sums are the
-same sequence of additions as ``loop``'s. On a GPU the chunk runs there (the aggregate and states come back
+with fewer steps are padded with all-padding steps, which ``local_train`` treats as no-ops; the whole local
+data of a full-pass algorithm likewise, to the chunk's largest client), their ``ClientInfo`` and states
+stacked leafwise; the broadcast, round and model are shared. Uploads come back batched and are added to the
+aggregator one client at a time, in cohort order, so the float64 sums are the same sequence of additions as
+``loop``'s. On a GPU the chunk runs there (the aggregate and states come back
 to the CPU); on a CPU it runs in place, for testing (grouped convolutions make it no faster than ``loop``).
 
 Equality with ``loop``: up to float rounding for dropout-free models. Dropout under vmap draws each chunk's
@@ -37,22 +38,38 @@ def stack_trees(trees: list[Any]) -> Any:
     return pytree.tree_map(lambda *leaves: torch.stack(leaves), *trees)
 
 
+def _grow(t: torch.Tensor, dim: int, size: int, fill: str) -> torch.Tensor:
+    """``t`` grown to ``size`` along ``dim`` with copies of its last slice (``fill="last"``) or zeros."""
+    extra = size - t.shape[dim]
+    if not extra:
+        return t
+    shape = (*t.shape[:dim], extra, *t.shape[dim + 1 :])
+    tail = t.narrow(dim, t.shape[dim] - 1, 1).expand(shape) if fill == "last" else t.new_zeros(shape)
+    return torch.cat([t, tail], dim)
+
+
+def _stack(datas: list[ClientData]) -> ClientData:
+    """Batches, labels and masks stacked along a new leading dimension, grown to the largest S and B."""
+    steps, width = max(d.x.shape[0] for d in datas), max(d.x.shape[1] for d in datas)
+    grow = lambda t, fill: _grow(_grow(t, 1, width, fill), 0, steps, fill)
+    x = torch.stack([grow(d.x, "last") for d in datas])
+    return ClientData(
+        x, torch.stack([grow(d.y, "last") for d in datas]), torch.stack([grow(d.mask, "zeros") for d in datas])
+    )
+
+
 def stack_data(datas: list[ClientData]) -> ClientData:
     """``[c, S, B, ...]``; clients with fewer than S steps get all-padding steps (mask 0: no-op steps).
 
     A padding step repeats the client's last batch (masked out), not zeros: its loss and gradient are then as
     finite as a real step's, so the arithmetic gate ``w + 0 * update`` cannot turn a NaN into the result.
+    The whole local data ``full`` (``[ceil(n_i / B), B, ...]``, present for every client or for none) is stacked
+    the same way, to the chunk's largest client: its extra blocks are all padding, masked out.
     """
-    steps = max(d.x.shape[0] for d in datas)
-
-    def pad(d: ClientData) -> ClientData:
-        extra = steps - d.x.shape[0]
-        if not extra:
-            return d
-        again = lambda t: torch.cat([t, t[-1:].expand(extra, *t.shape[1:])])
-        return ClientData(again(d.x), again(d.y), torch.cat([d.mask, d.mask.new_zeros((extra, *d.mask.shape[1:]))]))
-
-    return ClientData(*(torch.stack(field) for field in zip(*map(pad, datas), strict=True)))
+    out = _stack(datas)
+    if any(isinstance(d.full, ClientData) for d in datas):
+        out = out._replace(full=_stack([d.full for d in datas]))
+    return out
 
 
 def to_device(tree_: Any, device: torch.device) -> Any:
@@ -113,7 +130,7 @@ class VmapEngine:
         size = self.chunk or len(cids)
         for k, start in enumerate(range(0, len(cids), size)):
             part = cids[start : start + size]
-            data = stack_data([fed.client_data(seed, rnd.round, cid, plan) for cid in part])
+            data = stack_data([fed.client_data(seed, rnd.round, cid, plan, full=alg.needs_full_pass) for cid in part])
             info = stack_trees([fed.client_info(cid) for cid in part])
             state = stack_trees([store.gather(cid) for cid in part])
             torch.manual_seed(seed_for(seed, "vmap_chunk", rnd.round, k))  # dropout: pure in (seed, t, chunk)
