@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from hafedho.config import RUNTIME_KEYS, ConfigError, read_toml
+from hafedho.config import (
+    RUNTIME_KEYS,
+    ConfigError,
+    canonical_json,
+    config_from_table,
+    experiment_identity,
+    read_toml,
+)
 from hafedho.results import read_metrics
 
 # A centralised plain run (one client holding everything) ignores these keys, so it matches every column.
@@ -175,8 +182,15 @@ def read_run(run_dir: Path) -> Run:
 
 
 def _canonical(config: dict[str, Any]) -> str:
-    """The experiment a config runs (what changes the trained model): everything but the seed and runtime keys."""
-    return json.dumps({k: v for k, v in config.items() if k != "seed" and k not in RUNTIME_KEYS}, sort_keys=True)
+    """The experiment a stored config runs, seed left out: ``hafedho.config.experiment_identity`` (the one
+    definition runs are named by); a config this version no longer accepts falls back to its raw table minus
+    the seed and runtime keys."""
+    try:
+        ident = experiment_identity(config_from_table(config))
+    except ConfigError:
+        ident = {k: v for k, v in config.items() if k not in RUNTIME_KEYS}
+    ident.pop("seed", None)
+    return canonical_json(ident)
 
 
 def check_seeds(runs: list[Run]) -> None:
