@@ -97,8 +97,8 @@ class Load:
             p.wait()
 
 
-def uptime() -> str:
-    return "load average (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+def load_average() -> float:
+    return os.getloadavg()[0]
 
 
 def main() -> None:
@@ -110,7 +110,7 @@ def main() -> None:
     settings = [1, cores] if cores > 1 else [1]
     tmp = Path(tempfile.mkdtemp(prefix="bench_threads_"))
     exps = workloads(tmp)
-    load_before = uptime()
+    load_before = load_average()
     for exp in exps.values():  # warm-up: data on the page cache, kernels chosen
         for t in settings:
             timed(exp, t, tmp)
@@ -125,7 +125,7 @@ def main() -> None:
                         times.setdefault((name, loaded, t), []).append(s)
                         print(f"rep {rep} {'loaded' if loaded else 'idle  '} {name:32s} threads={t}: {s:7.2f} s")
     elapsed = time.perf_counter() - t_start
-    report = render(exps, times, settings, cores, load_before, uptime(), elapsed, args.reps)
+    report = render(list(exps), times, settings, cores, load_before, load_average(), elapsed, args.reps)
     print(report)
     write_section(Path(args.out), report)
 
@@ -139,12 +139,12 @@ class _nothing:
 
 
 def render(
-    exps: dict[str, Experiment],
+    names: list[str],
     times: dict[tuple[str, bool, int], list[float]],
     settings: list[int],
     cores: int,
-    before: str,
-    after: str,
+    before: float,
+    after: float,
     elapsed: float,
     reps: int,
 ) -> str:
@@ -157,24 +157,25 @@ def render(
         "",
         "    python benchmarks/bench_threads.py",
         "",
-        f"{cores} cores; torch {torch.__version__}; medians of {reps} interleaved repetitions",
-        f"({elapsed:.0f} s in all). Machine load besides the benchmark's own: {before} at the start, {after} at",
-        f"the end (other jobs share this machine). *Loaded*: {cores} busy-loop processes (one per core), started by",
-        "the benchmark beside the run.",
+        f"{cores} cores, torch {torch.__version__}, the `loop` engine through `hafedho.sim.runner.run`; medians of",
+        f"{reps} interleaved repetitions ({elapsed:.0f} s in all). Other jobs share this machine: its 1-minute load",
+        f"average was {before:.1f} at the start and {after:.1f} at the end, so *none added* is the machine as found,",
+        f"not an idle one. *Busy loops*: {cores} busy-loop processes (one per core), started by the benchmark beside",
+        "the run.",
         "",
-        f"| workload | machine | threads={one} (s) | threads={many} (s) | threads={many} / threads={one} | range (s) |",
+        f"| workload | competing load | threads={one} (s) | threads={many} (s) | {many} / {one} | range (s) |",
         "|---|---|---:|---:|---:|---|",
     ]
-    for name in exps:
+    for name in names:
         for loaded in (False, True):
             a, b = times[(name, loaded, one)], times[(name, loaded, many)]
             ma, mb = statistics.median(a), statistics.median(b)
             rng = f"{min(a):.2f}-{max(a):.2f} / {min(b):.2f}-{max(b):.2f}"
-            where = "loaded" if loaded else "idle"
+            where = "busy loops" if loaded else "none added"
             lines.append(f"| {name} | {where} | {ma:.2f} | {mb:.2f} | {mb / ma:.2f}x | {rng} |")
     lines += [
         "",
-        "Ratios above 1 mean the one-thread run is faster. The default (`threads = 1`) and the reasoning are in the",
+        "Ratios above 1: the one-thread run is faster. The default (`threads = 1`) and the reasoning are in the",
         "README (Performance).",
         END,
     ]
