@@ -12,6 +12,7 @@ import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+from tolerance import fp32_close, longest_reduction
 
 from hafedho.config import load_config
 from hafedho.core import RoundInfo, tree
@@ -118,6 +119,17 @@ def simulate_with_drops(exp: Experiment, drops: dict[int, set[int]]) -> dict[str
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def assert_fp32_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], exp: Experiment) -> None:
+    """Final models of two processes agree up to float32 rounding of ``exp`` (tests/tolerance.py). With equal
+    torch thread counts they are bit-identical (same kernels on the same aligned inputs); the bound covers a
+    deployment whose processes run other thread counts."""
+    assert got.keys() == ref.keys()
+    lam = max(exp.plan.steps_for(int(n)) for n in exp.fed.sizes)
+    x = exp.fed.preprocess(exp.fed.x_train[: exp.cfg.clients.batch_size])
+    bounds = {"reduction": longest_reduction(exp.model.module, x), "steps": exp.cfg.rounds * (lam + 1)}
+    fp32_close([got[k] for k in ref], list(ref.values()), **bounds, what="deployed vs simulated model")
 
 
 def flower_final(run_dir: Path, exp: Experiment) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from quadratic import QuadraticModel, client_data, w
+from tolerance import fp32_close
 
 from hafedho.core import (
     ConfigError,
@@ -70,14 +71,15 @@ def test_value_grad_matches_functorch_eager_and_under_vmap() -> None:
     x = torch.tensor([[1.0, -2.0], [0.5, 0.25]])
     g, aux = value_grad(fn)(p, x)
     ref, ref_aux = torch.func.grad(fn, has_aux=True)(p, x)
-    assert torch.allclose(g["a"], ref["a"], atol=0, rtol=1e-6) and torch.equal(g["unused"], torch.zeros(3))
+    fp32_close(g["a"], ref["a"], reduction=2, steps=1)
+    assert torch.equal(g["unused"], torch.zeros(3))
     assert float(aux) == pytest.approx(float(ref_aux))
     assert not p["a"].requires_grad  # the caller's tensors are untouched
     const, _ = value_grad(lambda q, x: (x.sum(), x.sum()))(p, x)  # an objective that ignores every parameter
     assert all(torch.equal(v, torch.zeros_like(p[k])) for k, v in const.items())
     # under vmap (a functorch transform is active) the functional path runs; per-sample results match eager ones
     batched = torch.vmap(value_grad(fn), in_dims=(None, 0))(p, torch.stack([x, 2 * x]))[0]
-    assert torch.allclose(batched["a"][1], value_grad(fn)(p, 2 * x)[0]["a"], rtol=1e-6)
+    fp32_close(batched["a"][1], value_grad(fn)(p, 2 * x)[0]["a"], reduction=2, steps=1)  # vmap's kernels: rounding
 
 
 def test_transforms_shift_mix_momentum() -> None:

@@ -87,6 +87,12 @@ class Config:
     )
     workers: int = hp(0, "process engine workers; 0 = one per core", ge=0)
     vmap_chunk: int = hp(0, "vmap engine: clients per vectorised call; 0 = the whole cohort", ge=0)
+    threads: int = hp(
+        1,
+        "torch intra-op threads of the run (process workers always use 1); 0 = torch's default of one per core, "
+        "shared among a sweep's jobs. 1 by default: see README, Performance",
+        ge=0,
+    )
     client_store: str = hp(
         "auto",
         "per-client state in RAM or memory-mapped on disk; auto = disk above 2 GiB",

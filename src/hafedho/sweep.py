@@ -403,10 +403,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def share_of_cores(jobs: int) -> int:
+    """Torch threads of a run with ``threads = 0`` in a sweep of ``jobs`` concurrent runs: jobs x threads = cores,
+    no oversubscription (a run's own ``threads`` > 0 replaces it for that run, whatever ``jobs`` is)."""
+    return max(1, available_cores() // jobs)
+
+
 def _init_worker(threads: int, parent: int) -> None:
     import torch
 
-    torch.set_num_threads(threads)  # jobs x threads = cores: no oversubscription
+    torch.set_num_threads(threads)
 
     # SIGTERM or SIGKILL reach the sweep process only; an orphaned worker would go on writing into its run
     # directory. It exits once its parent is gone instead (the next sweep resumes the run from its checkpoint).
@@ -506,14 +512,20 @@ def run_sweep(
 
     try:
         if jobs <= 1 or len(todo) <= 1:
-            for s in todo:
-                bar.set_postfix_str(s.name)
-                record(run_spec(s.cfg, str(s.run_dir)))
+            import torch
+
+            previous = torch.get_num_threads()
+            torch.set_num_threads(share_of_cores(1))  # the rule of jobs > 1, for threads = 0
+            try:
+                for s in todo:
+                    bar.set_postfix_str(s.name)
+                    record(run_spec(s.cfg, str(s.run_dir)))
+            finally:
+                torch.set_num_threads(previous)
         else:
-            threads = max(1, available_cores() // jobs)
             ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's torch threads and locks
             with ProcessPoolExecutor(
-                jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads, os.getpid())
+                jobs, mp_context=ctx, initializer=_init_worker, initargs=(share_of_cores(jobs), os.getpid())
             ) as ex:
                 futures = {ex.submit(run_spec, s.cfg, str(s.run_dir)): s for s in todo}
                 try:

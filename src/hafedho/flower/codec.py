@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 from torch.utils import _pytree as pytree
@@ -47,7 +46,7 @@ def decode(record: ArrayRecord, like: Any) -> Any:
         arr = record.get(_key(i))
         if arr is None:
             raise CodecError(f"record lacks array {_key(i)}")
-        value = torch.from_numpy(np.array(arr.numpy(), copy=True))
+        value = torch.tensor(arr.numpy())  # a copy in torch's 64-byte aligned memory (see sim/process.py _tensor)
         if value.dtype != ref.dtype or tuple(value.shape) != tuple(ref.shape):
             raise CodecError(
                 f"array {_key(i)} is {value.dtype}{tuple(value.shape)}, expected {ref.dtype}{tuple(ref.shape)}"

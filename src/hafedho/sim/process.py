@@ -11,8 +11,9 @@ threads.
   state, gathered from the store); a worker runs ``alg.client_update`` exactly as ``loop`` does, with the same
   per-client torch seed, and streams ``(upload, weight, state, metrics)`` back.
 * Determinism: results arrive in any order; a reorder buffer adds them into the aggregator in cohort order, so
-  the float64 sums are the same sequence of additions as ``loop``'s. Every worker uses one intra-op thread, so a
-  client's update is bit-identical whichever worker runs it: results do not depend on the number of workers.
+  the float64 sums are the same sequence of additions as ``loop``'s. Every worker uses one intra-op thread and
+  receives its tensors 64-byte aligned, so a client's update runs the same kernels on the same bits whichever
+  worker runs it: it is bit-identical, and results do not depend on the number of workers.
   They match ``loop`` up to float rounding (``loop`` may use several threads and other conv kernels).
 """
 
@@ -61,11 +62,20 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Tensor) and obj.device.type == "cpu" and obj.dtype not in _NO_NUMPY:
-            return torch.from_numpy, (obj.detach().numpy(),)
+            return _tensor, (obj.detach().numpy(),)
         return NotImplemented
 
 
 _NO_NUMPY = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+ALIGN = 64  # bytes: torch's CPU allocator's alignment (one AVX-512 register, one cache line)
+
+
+def _tensor(a: np.ndarray) -> Tensor:
+    """A received array as a tensor at a ``ALIGN``-byte boundary, copied there if pickle left it elsewhere (it
+    lands wherever its bytes object did, 16-byte aligned). MKL documents results that depend on the inputs'
+    alignment; aligned inputs keep a client's update independent of its worker's allocation history."""
+    t = torch.from_numpy(a)
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
 def dumps(obj: Any) -> bytes:

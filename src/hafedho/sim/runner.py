@@ -135,12 +135,19 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> No
 
 
 def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
-    """Run (or continue) an experiment in ``run_dir``; returns the last metrics row."""
+    """Run (or continue) an experiment in ``run_dir``; returns the last metrics row.
+
+    Runs with ``cfg.threads`` torch threads (0: as set before) and restores the caller's setting afterwards.
+    """
+    previous = torch.get_num_threads()
+    if exp.cfg.threads:
+        torch.set_num_threads(exp.cfg.threads)
     engine = make_engine(exp.cfg.engine, workers=exp.cfg.workers, vmap_chunk=exp.cfg.vmap_chunk)
     try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
         return _run(exp, run_dir, resume, force, progress, engine)
     finally:
         engine.close()
+        torch.set_num_threads(previous)
 
 
 def _run(exp: Experiment, run_dir: Path | str, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
