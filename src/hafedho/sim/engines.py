@@ -10,6 +10,11 @@
 
 Every engine adds the uploads into the aggregator in cohort order, so the float64 sums see the same
 sequence of additions whatever the engine's internal schedule.
+
+"Up to float rounding" means the bound of ``tests/tolerance.py`` (a few eps per operation, growing with the
+reduction length and the number of steps) for smooth models. With ReLU or max pooling, a rounding difference
+can flip a near-tie (one unit of one example), which moves that unit's gradient by O(1) in one step; engines
+then agree in distribution (same accuracy), not to a float bound, and the tests compare smoothed models.
 """
 
 from __future__ import annotations
