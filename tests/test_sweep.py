@@ -16,10 +16,9 @@ from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
-from hafedho.results import read_metrics
+from hafedho.results import RunLock, read_metrics
 from hafedho.sweep import (
     SCALES,
-    _RunLock,
     expand,
     list_presets,
     load_preset,
@@ -191,7 +190,7 @@ def test_sweep_skips_done_resumes_interrupted_keeps_diverged(tmp_path: Path) -> 
     again = run_sweep(specs, jobs=1, progress=False)
     assert again.summary() == "3 skipped, 1 diverged" and not again.failed
     (h0.run_dir / "done").unlink()
-    with _RunLock(h0.run_dir):  # another sweep over the same folder holds this run
+    with RunLock(h0.run_dir):  # another sweep over the same folder holds this run
         assert run_spec(h0.cfg, str(h0.run_dir)).status == "busy"
     index = write_index(preset, specs, preset.out)
     assert json.loads(index.read_text())["runs"][2] == {

@@ -421,48 +421,22 @@ def _init_worker(threads: int, parent: int) -> None:
 def run_spec(cfg: Config, run_dir: str) -> Outcome:
     """Run (or resume) one run; never raises for a run's own failure, so one bad run cannot stop a sweep."""
     from hafedho.experiment import build
+    from hafedho.results import RunBusy
     from hafedho.sim.runner import Divergence, run
 
     t0, path = time.perf_counter(), Path(run_dir)
-    with _RunLock(path) as held:
-        if not held:  # another sweep over the same folder is running it (presets share runs)
-            return Outcome(str(cfg.name), "busy", "running in another sweep; not counted")
-        if run_status(path) == "done":  # finished by another sweep since this one started
-            return Outcome(str(cfg.name), "skipped", "done meanwhile")
-        try:
-            last = run(build(cfg), path, resume=path.exists(), progress=False)
-        except Divergence as e:
-            return Outcome(str(cfg.name), "diverged", str(e), seconds=time.perf_counter() - t0)
-        except Exception as e:  # recorded as one line; the sweep goes on and exits non-zero at the end
-            line = (str(e).strip().splitlines() or [""])[0]
-            return Outcome(str(cfg.name), "failed", f"{type(e).__name__}: {line}", seconds=time.perf_counter() - t0)
+    if run_status(path) == "done":  # finished by another sweep since this one started
+        return Outcome(str(cfg.name), "skipped", "done meanwhile")
+    try:  # run() takes the run's lock (RunLock), shared with `hafedho run` and other sweeps
+        last = run(build(cfg), path, resume=path.exists(), progress=False)
+    except RunBusy:  # another sweep over the same folder is running it (presets share runs)
+        return Outcome(str(cfg.name), "busy", "running in another sweep; not counted")
+    except Divergence as e:
+        return Outcome(str(cfg.name), "diverged", str(e), seconds=time.perf_counter() - t0)
+    except Exception as e:  # recorded as one line; the sweep goes on and exits non-zero at the end
+        line = (str(e).strip().splitlines() or [""])[0]
+        return Outcome(str(cfg.name), "failed", f"{type(e).__name__}: {line}", seconds=time.perf_counter() - t0)
     return Outcome(str(cfg.name), "done", acc=last.get("test/acc"), seconds=time.perf_counter() - t0)
-
-
-class _RunLock:
-    """An advisory lock per run (``OUT/.locks/NAME.lock``); the OS drops it when the holder dies, so a killed
-    sweep never leaves a stale lock. Without ``fcntl`` (Windows) every run counts as unlocked."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir.parent / ".locks" / f"{run_dir.name}.lock"
-        self.file: Any = None
-
-    def __enter__(self) -> bool:
-        try:
-            import fcntl
-        except ImportError:
-            return True
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "w")  # held until __exit__
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        return True
-
-    def __exit__(self, *exc: object) -> None:
-        if self.file is not None:
-            self.file.close()  # closing releases the lock
 
 
 def _line(o: Outcome) -> str:
@@ -524,6 +498,14 @@ def run_sweep(
                 except KeyboardInterrupt:
                     ex.shutdown(wait=False, cancel_futures=True)
                     raise
+    except KeyboardInterrupt:  # one line: what is finished, and that the same command continues
+        from hafedho.sim.runner import Interrupted
+
+        done = sum(run_status(s.run_dir) == "done" for s in specs)
+        raise Interrupted(
+            f"sweep interrupted with {done} of {len(specs)} runs done; run the same command again to continue "
+            "(finished runs are skipped, interrupted ones resume from their last checkpoint)"
+        ) from None
     finally:
         bar.close()
     return result
