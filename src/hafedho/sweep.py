@@ -38,6 +38,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -407,6 +408,10 @@ def _init_worker(threads: int, parent: int) -> None:
     import torch
 
     torch.set_num_threads(threads)  # jobs x threads = cores: no oversubscription
+    # Ctrl-C is the sweep's: it terminates its workers (a worker would go on to its next queued run). A thread
+    # lock for tqdm, so a terminated worker leaves no multiprocessing semaphore behind.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tqdm.set_lock(threading.RLock())
 
     # SIGTERM or SIGKILL reach the sweep process only; an orphaned worker would go on writing into its run
     # directory. It exits once its parent is gone instead (the next sweep resumes the run from its checkpoint).
@@ -495,7 +500,9 @@ def run_sweep(
                             record(fut.result())
                         except Exception as e:  # the worker process itself died (e.g. out of memory)
                             record(Outcome(futures[fut].name, "failed", f"{type(e).__name__}: {e}"))
-                except KeyboardInterrupt:
+                except KeyboardInterrupt:  # stop the workers as a kill would; their runs resume from checkpoints
+                    for proc in list(getattr(ex, "_processes", {}).values()):
+                        proc.terminate()
                     ex.shutdown(wait=False, cancel_futures=True)
                     raise
     except KeyboardInterrupt:  # one line: what is finished, and that the same command continues

@@ -203,7 +203,8 @@ def _interrupted_text(run_dir: Path) -> str:
     if ckpt >= done:
         how = f"it continues after round {ckpt}" if ckpt else "it starts at round 1"
     elif ckpt:
-        how = f"from the checkpoint of round {ckpt}; rounds {ckpt + 1}-{done} are recomputed identically"
+        redo = f"round {done} is" if done == ckpt + 1 else f"rounds {ckpt + 1}-{done} are"
+        how = f"from the checkpoint of round {ckpt}; {redo} recomputed identically"
     else:
         how = "no checkpoint yet: it starts over at round 1"
     return f"{run_dir}: interrupted at round {done}; continue with --resume ({how})"
