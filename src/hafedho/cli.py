@@ -154,8 +154,10 @@ def parser() -> argparse.ArgumentParser:
         metavar="[CONFIG] KEY=VALUE",
         help="a TOML file or embedded config name (default, demo, smoke), then dotted overrides, e.g. data.q=0.1",
     )
-    r.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoint")
-    r.add_argument("--force", action="store_true", help="delete an existing run directory and start over")
+    r.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run from its checkpoint; extend a finished one"
+    )
+    r.add_argument("--force", action="store_true", help="delete this run's directory (a hafedho run only); start over")
     r.add_argument("--out", help="folder for run directories (overrides `out`)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
