@@ -19,7 +19,11 @@ from hafedho.cli import main
 from hafedho.config import ConfigError, config_from_table, load_config
 from hafedho.results import RunDirError, atomic_write_text, read_metrics
 
-RUN = "hafedho-digits-s0"  # the smoke config's run name
+
+def run_in(out: Path) -> Path:
+    """The one run directory in ``out`` (whatever its name)."""
+    (run,) = [p for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return run
 
 
 def smoke(out: Path, *args: str) -> int:
@@ -88,31 +92,31 @@ def test_a_second_writer_is_refused_and_changes_nothing(tmp_path: Path, capsys: 
     """A real second process holds the run's lock (as a running `hafedho run` or sweep does)."""
     out = tmp_path / "out"
     assert smoke(out, "rounds=2") == 0
-    (out / RUN / "done").unlink()  # an interrupted run, as two `--resume` of it would find it
+    (run_in(out) / "done").unlink()  # an interrupted run, as two `--resume` of it would find it
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from hafedho.results import RunLock\n"
             "with RunLock(Path(sys.argv[1])) as held:\n    print(held, flush=True); time.sleep(120)",
-            str(out / RUN),
+            str(run_in(out)),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "True"
-        before = snapshot(out / RUN)
+        before = snapshot(run_in(out))
         capsys.readouterr()
         for extra in (["--resume", "rounds=4"], ["--force"]):
             assert smoke(out, *extra) == 2
             one_error_line(capsys.readouterr().err, f"is being written by another process (pid {holder.pid})")
-            assert snapshot(out / RUN) == before
+            assert snapshot(run_in(out)) == before
     finally:
         holder.kill()
         holder.wait()
     assert smoke(out, "--resume", "rounds=4") == 0  # the lock went with its holder
-    assert [r["round"] for r in read_metrics(out / RUN)] == [1, 2, 3, 4]
+    assert [r["round"] for r in read_metrics(run_in(out))] == [1, 2, 3, 4]
 
 
 def test_temporary_files_are_unique_per_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,14 +165,14 @@ def test_only_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
 def test_a_bad_middle_line_stops_resume_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     assert smoke(out, "rounds=6") == 0
-    metrics = out / RUN / "metrics.jsonl"
+    metrics = run_in(out) / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text("".join(lines[:2]) + lines[2][:20] + "\n" + "".join(lines[3:]))
-    before = snapshot(out / RUN)
+    before = snapshot(run_in(out))
     capsys.readouterr()
     assert smoke(out, "rounds=8", "--resume") == 2
     one_error_line(capsys.readouterr().err, f"{metrics}: line 3 is not valid JSON")
-    assert snapshot(out / RUN) == before  # no row dropped, no done rewritten
+    assert snapshot(run_in(out)) == before  # no row dropped, no done rewritten
     assert main(["report", str(out), "--out", str(tmp_path / "rep")]) == 2
     one_error_line(capsys.readouterr().err, "line 3 is not valid JSON")
 
@@ -181,16 +185,16 @@ def test_resume_never_shortens_and_never_rewrites_a_finished_run(
 ) -> None:
     out = tmp_path / "out"
     assert smoke(out, "rounds=6") == 0
-    before = snapshot(out / RUN)
+    before = snapshot(run_in(out))
     capsys.readouterr()
     assert smoke(out, "rounds=3", "--resume") == 2
     one_error_line(capsys.readouterr().err, "already holds 6 rounds; --resume with rounds=3 cannot shorten it")
-    assert snapshot(out / RUN) == before
+    assert snapshot(run_in(out)) == before
     assert smoke(out, "rounds=6", "--resume") == 0
     assert "already finished at round 6 (test/acc 0." in capsys.readouterr().out
-    assert snapshot(out / RUN) == before  # config.toml, env.json, done, metrics: not even rewritten
+    assert snapshot(run_in(out)) == before  # config.toml, env.json, done, metrics: not even rewritten
     assert smoke(out, "rounds=8", "--resume") == 0  # extending a finished run continues it
-    assert [r["round"] for r in read_metrics(out / RUN)] == list(range(1, 9)) and (out / RUN / "done").exists()
+    assert [r["round"] for r in read_metrics(run_in(out))] == list(range(1, 9)) and (run_in(out) / "done").exists()
     assert "round 8, test/acc" in capsys.readouterr().out
 
 
@@ -249,7 +253,7 @@ def test_ctrl_c_says_where_to_resume_and_resume_matches(
     assert smoke(tmp_path / "b", "rounds=6", "checkpoint_every=2") == 130
     err = capsys.readouterr().err
     assert err == (
-        f"hafedho: {tmp_path / 'b' / RUN}: interrupted at round 3; continue with --resume "
+        f"hafedho: {run_in(tmp_path / 'b')}: interrupted at round 3; continue with --resume "
         "(from the checkpoint of round 2; round 3 is recomputed identically)\n"
     )
     monkeypatch.setattr(runner, "append_metrics", real)
@@ -258,20 +262,19 @@ def test_ctrl_c_says_where_to_resume_and_resume_matches(
     def no_wall(rows: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
 
-    assert no_wall(read_metrics(tmp_path / "a" / RUN)) == no_wall(read_metrics(tmp_path / "b" / RUN))
+    assert no_wall(read_metrics(run_in(tmp_path / "a"))) == no_wall(read_metrics(run_in(tmp_path / "b")))
 
 
 @pytest.mark.slow
 def test_sigint_ends_a_real_run_with_one_line(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "hafedho", "run", "smoke", "rounds=5000", "checkpoint_every=3", "--quiet"]
     proc = subprocess.Popen([*cmd, "--out", str(tmp_path)], stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / RUN / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+    while time.time() < deadline and sum(len(m.read_text().splitlines()) for m in tmp_path.glob("*/metrics.jsonl")) < 5:
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith(f"hafedho: {tmp_path / RUN}: interrupted at round ") and "continue with --resume (" in err
-    assert not (tmp_path / RUN / "done").exists()
+    assert err.startswith(f"hafedho: {run_in(tmp_path)}: interrupted at round ") and "continue with --resume (" in err
+    assert not (run_in(tmp_path) / "done").exists()
