@@ -16,10 +16,9 @@ from hafedho.cli import main
 from hafedho.config import CONFIG_DIR, ConfigError, dump_toml, load_config
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
-from hafedho.results import read_metrics
+from hafedho.results import RunLock, read_metrics
 from hafedho.sweep import (
     SCALES,
-    _RunLock,
     expand,
     list_presets,
     load_preset,
@@ -209,7 +208,7 @@ def test_sweep_skips_done_resumes_interrupted_keeps_diverged(tmp_path: Path) -> 
     again = run_sweep(specs, jobs=1, progress=False)
     assert again.summary() == "3 skipped, 1 diverged" and not again.failed
     (h0.run_dir / "done").unlink()
-    with _RunLock(h0.run_dir):  # another sweep over the same folder holds this run
+    with RunLock(h0.run_dir):  # another sweep over the same folder holds this run
         assert run_spec(h0.cfg, str(h0.run_dir)).status == "busy"
     index = write_index(preset, specs, preset.out)
     assert json.loads(index.read_text())["runs"][2] == {
@@ -301,3 +300,53 @@ def test_cpu_preset_full_grid_two_rounds(name: str, shared_data: Path, tmp_path:
     assert not result.failed, [(o.name, o.message) for o in result.failed]
     write_index(load_preset(name), specs, tmp_path)
     assert write_report(tmp_path).html.stat().st_size > 10_000
+
+
+def test_ctrl_c_ends_a_sweep_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hafedho.sim.runner as runner
+
+    path = tiny(tmp_path)
+    real = runner.append_metrics
+    calls = []
+
+    def append(run_dir: Path, row: dict) -> None:
+        calls.append(row["round"])
+        if len(calls) == 5:  # Ctrl-C in the second run's second round
+            raise KeyboardInterrupt
+        real(run_dir, row)
+
+    monkeypatch.setattr(runner, "append_metrics", append)
+    assert main(["sweep", str(path), "--quiet"]) == 130
+    assert capsys.readouterr().err == (
+        "hafedho: sweep interrupted with 1 of 4 runs done; run the same command again to continue "
+        "(finished runs are skipped, interrupted ones resume from their last checkpoint)\n"
+    )
+    monkeypatch.setattr(runner, "append_metrics", real)
+    assert main(["sweep", str(path), "--quiet"]) == 0
+    assert "3 done, 1 skipped" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_parallel_sweep_and_its_workers(tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole process group: the sweep stops its workers (which would go on to their next queued
+    run), prints one line and exits 130; no worker is left running."""
+    import os
+    import signal
+
+    path = tiny(tmp_path).rename(tmp_path / "long.toml")
+    path.write_text(path.read_text().replace("rounds = 3\n", "rounds = 5000\n"))
+    cmd = [sys.executable, "-m", "hafedho", "sweep", str(path), "--jobs", "2", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list((tmp_path / "runs-cpu").glob("*/metrics.jsonl"))) < 2:
+        time.sleep(0.1)
+    workers = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == (
+        "hafedho: sweep interrupted with 0 of 4 runs done; run the same command again to continue "
+        "(finished runs are skipped, interrupted ones resume from their last checkpoint)\n"
+    )
+    assert workers and not [w for w in workers if is_running(w)]

@@ -29,12 +29,23 @@ def run_one(cfg: Config, resume: bool = False, force: bool = False, progress: bo
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from hafedho.sim.runner import is_finished
+
     cfg = load_config(_config_path(args.config), args.overrides)
     if args.out:
         cfg.out = args.out
+    run_dir = Path(cfg.out) / cfg.run_name
+    finished = args.resume and not args.force and is_finished(run_dir, cfg.rounds)
     last = run_one(cfg, resume=args.resume, force=args.force, progress=not args.quiet)
     acc = last.get("test/acc")
-    print(f"{cfg.run_name}: round {last.get('round')}, test/acc {acc:.4f} -> {Path(cfg.out) / cfg.run_name}")
+    acc_text = f"test/acc {acc:.4f}" if isinstance(acc, float) else "not evaluated"
+    if finished:
+        print(
+            f"{cfg.run_name}: already finished at round {last.get('round')} ({acc_text}); nothing changed in "
+            f"{run_dir}. To train longer: --resume rounds=N with N > {cfg.rounds}"
+        )
+    else:
+        print(f"{cfg.run_name}: round {last.get('round')}, {acc_text} -> {run_dir}")
     return 0
 
 
@@ -42,6 +53,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from hafedho.report.plots import accuracy_curves
     from hafedho.report.tables import accuracy_table, load_runs
 
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds {args.seeds}: need at least 1")
     out = Path(args.out)
     for alg in ("hafedho", "fedavg"):
         for seed in range(args.seeds):
@@ -141,8 +154,10 @@ def parser() -> argparse.ArgumentParser:
         metavar="[CONFIG] KEY=VALUE",
         help="a TOML file or embedded config name (default, demo, smoke), then dotted overrides, e.g. data.q=0.1",
     )
-    r.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoint")
-    r.add_argument("--force", action="store_true", help="delete an existing run directory and start over")
+    r.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run from its checkpoint; extend a finished one"
+    )
+    r.add_argument("--force", action="store_true", help="delete this run's directory (a hafedho run only); start over")
     r.add_argument("--out", help="folder for run directories (overrides `out`)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
@@ -212,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, PartitionError, RunDirError) as e:
         print(f"hafedho: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. an output folder we may not write, or a disk that is full
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"hafedho: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:  # Ctrl-C: where the run stopped and how to continue, no traceback
+        lead = "\n" if sys.stderr.isatty() else ""  # off the progress bar's line
+        print(f"{lead}hafedho: {str(e) or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class DataConfig:
     q: float = hp(0.3, "Dirichlet concentration (smaller = more heterogeneous)", gt=0)
     num_clients: int = hp(0, "N; 0 = all groups for natural, 100 otherwise", ge=0)
     min_size: int = hp(10, "Dirichlet: redraw until every client holds at least this many samples", ge=1)
-    partition_seed: int | None = hp(None, "seed of the partition; None = the run seed")
+    partition_seed: int | None = hp(None, "seed of the partition; None = the run seed", ge=0)
     local_test_fraction: float | None = hp(
         None, "held-out share of each client's data for personalised accuracy; None = 0.2 if personalised", ge=0, lt=1
     )
@@ -76,7 +76,7 @@ class ModelConfig:
 
 @dataclass
 class Config:
-    seed: int = hp(0, "seed of everything (model init, partition, cohorts, batches)")
+    seed: int = hp(0, "seed of everything (model init, partition, cohorts, batches)", ge=0)
     rounds: int = hp(100, "T: communication rounds", ge=1)
     eval_every: int = hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
     checkpoint_every: int = hp(10, "checkpoint every k rounds (and at the last)", ge=1)
@@ -238,6 +238,8 @@ def config_from_table(table: dict[str, Any]) -> Config:
 
 def validate(cfg: Config) -> Config:
     """Cross-field checks that need no data loaded."""
+    if cfg.name is not None:
+        check_run_name(cfg.name)
     s = cfg.sampling
     if cfg.data.partition != "natural" and cfg.data.num_clients == 0:
         cfg.data.num_clients = 100
@@ -245,6 +247,16 @@ def validate(cfg: Config) -> Config:
     if s.mode == "fixed" and n and s.cohort_size > n:
         raise ConfigError(f"sampling.cohort_size={s.cohort_size} exceeds data.num_clients={n}; lower it")
     return cfg
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one safe folder name: ``out/NAME`` never leaves ``out`` or names ``out`` itself."""
+    bad = name in ("", ".", "..") or name.startswith("-") or any(c in name for c in "/\\\0")
+    if bad or name != name.strip():
+        raise ConfigError(
+            f"name={name!r}: a run name must be one folder name (not '.' or '..', no '/', '\\', NUL, "
+            "leading '-' or surrounding spaces); e.g. name=my-run"
+        )
 
 
 def cohort_size(cfg: Config, num_clients: int) -> int:

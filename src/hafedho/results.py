@@ -8,7 +8,8 @@
     RUN/checkpoint.pt    everything needed to continue bit-identically
     RUN/done             written last; RUN/diverged holds the message of a run stopped by NaN
 
-Every file is written atomically (temporary file + rename), so a killed process never leaves half a file.
+Every file is written atomically (a temporary file unique to the writer, then a rename), so a killed process
+never leaves half a file. One process at a time writes a run: ``RunLock`` (``OUT/.locks/NAME.lock``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +32,17 @@ class RunDirError(ValueError):
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # pid + random suffix: two writers (or a writer and a killed one's leftover) never share a temporary file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -47,17 +54,44 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The metrics lines; a torn last line (a process killed mid-write) is dropped."""
+    """The metrics rows, rounds strictly increasing.
+
+    Only a torn last line (a process killed mid-write: no newline and not valid JSON) is dropped. Any other bad
+    line raises ``RunDirError`` naming it, so a later row is never silently lost.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()  # after the last newline: b"" when the file ends cleanly, else an unterminated last line
+    rows: list[dict[str, Any]] = []
+    for i, line in enumerate(lines, 1):
+        rows.append(_metrics_row(path, i, line, rows[-1]["round"] if rows else 0))
+    if tail:
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+            json.loads(tail)
+        except ValueError:
+            return rows  # torn: the process died while writing it; the round is recomputed on --resume
+        rows.append(_metrics_row(path, len(lines) + 1, tail, rows[-1]["round"] if rows else 0))
     return rows
+
+
+def _metrics_row(path: Path, lineno: int, line: bytes, prev: int) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        row, what = None, "not valid JSON"
+    else:
+        what = "not a metrics row"
+    if isinstance(row, dict) and isinstance(row.get("round"), int) and not isinstance(row["round"], bool):
+        if row["round"] > prev:
+            return row
+        what = f"round {row['round']} after round {prev}"
+    shown = line[:60].decode(errors="replace")
+    raise RunDirError(
+        f"{path}: line {lineno} is {what} ({shown!r}); only a torn last line is repaired: "
+        "fix or delete that line, or start the run over with --force"
+    )
 
 
 def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
@@ -70,6 +104,67 @@ def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
 def truncate_metrics(run_dir: Path, last_round: int) -> None:
     rows = [r for r in read_metrics(run_dir) if r["round"] <= last_round]
     atomic_write_text(Path(run_dir) / "metrics.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+
+class RunBusy(RunDirError):
+    """Another process is writing this run directory."""
+
+
+class RunLock:
+    """An advisory lock per run (``OUT/.locks/NAME.lock``) that every writer of a run takes (``sim.runner.run``,
+    so ``hafedho run``, demos and sweeps). The OS drops it when the holder dies, so a killed process never leaves
+    a stale lock. ``with RunLock(d) as held``: ``held`` is False when someone else holds it (even in this
+    process); the holder's pid is then in ``holder``. Without ``fcntl`` (Windows) every run counts as unlocked."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir = Path(run_dir)
+        self.path = run_dir.parent / ".locks" / f"{run_dir.name}.lock"
+        self.holder = "?"
+        self.file: Any = None
+
+    def __enter__(self) -> bool:
+        make_folder(self.path.parent)
+        try:
+            import fcntl
+        except ImportError:
+            return True
+        f = open(self.path, "a+")  # not truncated before the lock is ours: it names the holder
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            self.holder = f.read().strip() or "?"
+            f.close()
+            return False
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.file = f
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()  # closing releases the lock
+            self.file = None
+
+
+def make_folder(folder: Path) -> None:
+    """``mkdir -p`` with one-line errors for a path through a file or a folder we may not write."""
+    folder = Path(folder)
+    for p in (folder, *folder.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise RunDirError(f"{p} is a file, not a folder; choose another output folder (out = ... or --out)")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"cannot create {folder}: {e.strerror}; {_WRITABLE}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RunDirError(f"cannot write to {folder}: permission denied; {_WRITABLE}")
+
+
+_WRITABLE = "choose a writable output folder (out = ... or --out)"
 
 
 def environment() -> dict[str, Any]:

@@ -40,6 +40,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -412,7 +413,11 @@ def share_of_cores(jobs: int) -> int:
 def _init_worker(threads: int, parent: int) -> None:
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # jobs x threads = cores: no oversubscription
+    # Ctrl-C is the sweep's: it terminates its workers (a worker would go on to its next queued run). A thread
+    # lock for tqdm, so a terminated worker leaves no multiprocessing semaphore behind.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tqdm.set_lock(threading.RLock())
 
     # SIGTERM or SIGKILL reach the sweep process only; an orphaned worker would go on writing into its run
     # directory. It exits once its parent is gone instead (the next sweep resumes the run from its checkpoint).
@@ -427,49 +432,23 @@ def _init_worker(threads: int, parent: int) -> None:
 def run_spec(cfg: Config, run_dir: str) -> Outcome:
     """Run (or resume) one run; never raises for a run's own failure, so one bad run cannot stop a sweep."""
     from hafedho.experiment import build
+    from hafedho.results import RunBusy
     from hafedho.sim.runner import Divergence, run
 
     t0, path = time.perf_counter(), Path(run_dir)
     name = path.name  # the spec's name (Config.run_name)
-    with _RunLock(path) as held:
-        if not held:  # another sweep over the same folder is running it (presets share runs)
-            return Outcome(name, "busy", "running in another sweep; not counted")
-        if run_status(path) == "done":  # finished by another sweep since this one started
-            return Outcome(name, "skipped", "done meanwhile")
-        try:
-            last = run(build(cfg), path, resume=path.exists(), progress=False)
-        except Divergence as e:
-            return Outcome(name, "diverged", str(e), seconds=time.perf_counter() - t0)
-        except Exception as e:  # recorded as one line; the sweep goes on and exits non-zero at the end
-            line = (str(e).strip().splitlines() or [""])[0]
-            return Outcome(name, "failed", f"{type(e).__name__}: {line}", seconds=time.perf_counter() - t0)
+    if run_status(path) == "done":  # finished by another sweep since this one started
+        return Outcome(name, "skipped", "done meanwhile")
+    try:  # run() takes the run's lock (RunLock), shared with `hafedho run` and other sweeps
+        last = run(build(cfg), path, resume=path.exists(), progress=False)
+    except RunBusy:  # another sweep over the same folder is running it (presets share runs)
+        return Outcome(name, "busy", "running in another sweep; not counted")
+    except Divergence as e:
+        return Outcome(name, "diverged", str(e), seconds=time.perf_counter() - t0)
+    except Exception as e:  # recorded as one line; the sweep goes on and exits non-zero at the end
+        line = (str(e).strip().splitlines() or [""])[0]
+        return Outcome(name, "failed", f"{type(e).__name__}: {line}", seconds=time.perf_counter() - t0)
     return Outcome(name, "done", acc=last.get("test/acc"), seconds=time.perf_counter() - t0)
-
-
-class _RunLock:
-    """An advisory lock per run (``OUT/.locks/NAME.lock``); the OS drops it when the holder dies, so a killed
-    sweep never leaves a stale lock. Without ``fcntl`` (Windows) every run counts as unlocked."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir.parent / ".locks" / f"{run_dir.name}.lock"
-        self.file: Any = None
-
-    def __enter__(self) -> bool:
-        try:
-            import fcntl
-        except ImportError:
-            return True
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "w")  # held until __exit__
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        return True
-
-    def __exit__(self, *exc: object) -> None:
-        if self.file is not None:
-            self.file.close()  # closing releases the lock
 
 
 def _line(o: Outcome) -> str:
@@ -534,9 +513,19 @@ def run_sweep(
                             record(fut.result())
                         except Exception as e:  # the worker process itself died (e.g. out of memory)
                             record(Outcome(futures[fut].name, "failed", f"{type(e).__name__}: {e}"))
-                except KeyboardInterrupt:
+                except KeyboardInterrupt:  # stop the workers as a kill would; their runs resume from checkpoints
+                    for proc in list(getattr(ex, "_processes", {}).values()):
+                        proc.terminate()
                     ex.shutdown(wait=False, cancel_futures=True)
                     raise
+    except KeyboardInterrupt:  # one line: what is finished, and that the same command continues
+        from hafedho.sim.runner import Interrupted
+
+        done = sum(run_status(s.run_dir) == "done" for s in specs)
+        raise Interrupted(
+            f"sweep interrupted with {done} of {len(specs)} runs done; run the same command again to continue "
+            "(finished runs are skipped, interrupted ones resume from their last checkpoint)"
+        ) from None
     finally:
         bar.close()
     return result

@@ -28,10 +28,13 @@ from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.model import evaluate
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.results import (
+    RunBusy,
     RunDirError,
+    RunLock,
     append_metrics,
     atomic_write_text,
     environment,
+    read_metrics,
     truncate_metrics,
     write_json,
 )
@@ -45,6 +48,10 @@ DISK_STORE_ABOVE = 2 * 1024**3  # client_store="auto": memory-map per-client sta
 
 class Divergence(RuntimeError):
     """Training produced a non-finite loss or model; the last good checkpoint is kept."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says which round ``--resume`` continues from."""
 
 
 @dataclass
@@ -121,39 +128,120 @@ def check_same_experiment(run_dir: Path, cfg: Config) -> None:
         )
 
 
-def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> None:
-    """Create the run directory, or check that an existing one may be continued."""
+RUN_FILES = frozenset(
+    {"config.toml", "env.json", "partition.json", "run.json", "metrics.jsonl", "checkpoint.pt", "done", "diverged"}
+)
+
+
+def _is_run_entry(name: str) -> bool:
+    """A file or folder that a run (simulator or Flower) writes into its directory."""
+    if name in RUN_FILES or name == "client_store" or (name.startswith(".") and name.endswith(".tmp")):
+        return True
+    return name.startswith("store_r") and name.removeprefix("store_r").removesuffix(".tmp").isdigit()
+
+
+def _check_deletable(run_dir: Path) -> None:
+    """``--force`` deletes only an empty folder or a hafedho run directory: config.toml and nothing foreign."""
+    entries = sorted(p.name for p in run_dir.iterdir())
+    foreign = [n for n in entries if not _is_run_entry(n)]
+    if entries and (foreign or "config.toml" not in entries):
+        more = ", ..." if len(foreign) > 3 else ""
+        what = f"it holds {', '.join(foreign[:3])}{more}" if foreign else "no config.toml"
+        raise RunDirError(
+            f"--force: {run_dir} is not a hafedho run directory ({what}); not deleting it: "
+            "choose another run name, or remove it yourself"
+        )
+
+
+def is_finished(run_dir: Path, rounds: int, rows: list[dict[str, Any]] | None = None) -> bool:
+    """The run in ``run_dir`` has finished exactly ``rounds`` rounds (``--resume`` then has nothing to do)."""
+    if not (run_dir / "done").is_file():
+        return False
+    rows = read_metrics(run_dir) if rows is None else rows
+    return bool(rows) and rows[-1]["round"] == rounds
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> bool:
+    """Create the run directory, or check that an existing one may be continued.
+
+    Returns True when ``resume`` finds the run finished at ``cfg.rounds``: nothing to do, and nothing is written.
+    Every refusal happens before anything in the directory changes.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"{run_dir} is a file, not a run directory; choose another run name or output folder")
     if run_dir.exists() and force:
+        _check_deletable(run_dir)
         shutil.rmtree(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
         if not resume:
             state = "finished" if (run_dir / "done").exists() else "interrupted"
             raise RunDirError(f"{run_dir} holds a {state} run; pass --resume to continue it or --force to start over")
         check_same_experiment(run_dir, cfg)
+        rows = read_metrics(run_dir)  # a bad line in the middle is an error here, before anything is rewritten
+        have = rows[-1]["round"] if rows else 0
+        if cfg.rounds < have:
+            raise RunDirError(
+                f"{run_dir} already holds {have} rounds; --resume with rounds={cfg.rounds} cannot shorten it: "
+                f"pass rounds >= {have}, or --force to start over"
+            )
+        if is_finished(run_dir, cfg.rounds, rows):
+            return True
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
+    return False
 
 
 def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
     """Run (or continue) an experiment in ``run_dir``; returns the last metrics row.
 
-    Runs with ``cfg.threads`` torch threads (0: as set before) and restores the caller's setting afterwards.
+    Only one writer at a time: while another holds the run's ``RunLock``, this one is refused with ``RunBusy``.
+    Resuming a run finished at ``cfg.rounds`` changes nothing and returns its last row. Runs with ``cfg.threads``
+    torch threads (0: as set before) and restores the caller's setting afterwards.
     """
-    previous = torch.get_num_threads()
-    if exp.cfg.threads:
-        torch.set_num_threads(exp.cfg.threads)
-    engine = make_engine(exp.cfg.engine, workers=exp.cfg.workers, vmap_chunk=exp.cfg.vmap_chunk)
-    try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
-        return _run(exp, run_dir, resume, force, progress, engine)
-    finally:
-        engine.close()
-        torch.set_num_threads(previous)
+    run_dir = Path(run_dir)
+    lock = RunLock(run_dir)
+    with lock as held:
+        if not held:
+            raise RunBusy(f"{run_dir} is being written by another process (pid {lock.holder}); wait for it to end")
+        previous = torch.get_num_threads()
+        if exp.cfg.threads:
+            torch.set_num_threads(exp.cfg.threads)
+        engine = make_engine(exp.cfg.engine, workers=exp.cfg.workers, vmap_chunk=exp.cfg.vmap_chunk)
+        try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
+            return _run(exp, run_dir, resume, force, progress, engine)
+        except KeyboardInterrupt:
+            raise Interrupted(_interrupted_text(run_dir)) from None
+        finally:
+            engine.close()
+            torch.set_num_threads(previous)
+
+
+def _interrupted_text(run_dir: Path) -> str:
+    """Where a Ctrl-C left the run: the last logged round and the checkpoint ``--resume`` continues from."""
+    try:
+        rows = read_metrics(run_dir)
+    except RunDirError:
+        rows = []
+    try:
+        ckpt = int(torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)["round"])
+    except Exception:  # no checkpoint yet, or one being replaced: resume starts over / from the older one
+        ckpt = 0
+    done = rows[-1]["round"] if rows else 0
+    if ckpt >= done:
+        how = f"it continues after round {ckpt}" if ckpt else "it starts at round 1"
+    elif ckpt:
+        redo = f"round {done} is" if done == ckpt + 1 else f"rounds {ckpt + 1}-{done} are"
+        how = f"from the checkpoint of round {ckpt}; {redo} recomputed identically"
+    else:
+        how = "no checkpoint yet: it starts over at round 1"
+    return f"{run_dir}: interrupted at round {done}; continue with --resume ({how})"
 
 
 def _run(exp: Experiment, run_dir: Path | str, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
     cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
     run_dir = Path(run_dir)
-    prepare_run_dir(run_dir, cfg, resume, force)
+    if prepare_run_dir(run_dir, cfg, resume, force):
+        return read_metrics(run_dir)[-1]  # finished: nothing to do
     (run_dir / "done").unlink(missing_ok=True)
     (run_dir / "diverged").unlink(missing_ok=True)
     write_json(run_dir / "env.json", environment())
