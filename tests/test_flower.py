@@ -37,7 +37,7 @@ from hafedho.flower import codec, deploy
 from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import RUN_CONFIG_DEFAULTS, config_path, experiment
 from hafedho.flower.strategy import HafedhoStrategy
-from hafedho.results import read_metrics
+from hafedho.results import RunBusy, RunLock, read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
 # 3 clients, 2 per round: round 1 = {1, 2}, round 2 = {0, 2}; client 2 carries its state from round 1 into 2.
@@ -170,6 +170,26 @@ def test_a_federation_of_another_size_is_refused_before_training(
     assert not (tmp_path / "flower" / "done").exists() and not read_metrics(tmp_path / "flower")
     assert main(["flower", "run", "smoke", "--superlink", "127.0.0.1:9", "--simulation", "5"]) == 2
     assert "--simulation 5: the config has N=10 clients" in capsys.readouterr().err
+
+
+def test_a_flower_run_takes_the_run_lock(tmp_path: Path) -> None:
+    """One writer per run for Flower too: while a simulator run (or another ServerApp) holds the run's lock, a
+    Flower server refuses before it writes anything; once the holder finishes, it may start."""
+    rc = {"hafedho-config": "smoke", "overrides": "algorithm.name=fedavg"}
+    first = HafedhoStrategy(experiment(rc), tmp_path / "flower", node_wait=0.0)
+    with RunLock(tmp_path / "flower") as held:
+        assert held
+        with pytest.raises(RunBusy, match=r"is being written by another process \(pid \d+\)"):
+            first.prepare()
+        assert not (tmp_path / "flower").exists()
+    first.prepare()
+    second = HafedhoStrategy(experiment(rc), tmp_path / "flower", node_wait=0.0)
+    with pytest.raises(RunBusy):
+        second.prepare(force=True)
+    assert (tmp_path / "flower" / "config.toml").exists()
+    first.finish()
+    with RunLock(tmp_path / "flower") as held:
+        assert held
 
 
 def test_flower_run_directory_is_named_by_the_experiment(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from hafedho.core import RoundInfo, tree
 from hafedho.core.model import evaluate
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, digest, upload_template
-from hafedho.results import append_metrics, atomic_write_text, environment, write_json
+from hafedho.results import RunBusy, RunLock, append_metrics, atomic_write_text, environment, write_json
 from hafedho.sim import checkpoint
 from hafedho.sim.runner import Divergence, Experiment, prepare_run_dir
 
@@ -69,6 +69,7 @@ class HafedhoStrategy(Strategy):
         self._asked: set[int] = set()
         self._foreign: dict[int, int] = {}  # node id -> the N it reported, for nodes of another federation
         self._round: dict[str, Any] = {}
+        self._lock: RunLock | None = None
 
     # ----------------------------------------------------------------- run directory
 
@@ -76,6 +77,11 @@ class HafedhoStrategy(Strategy):
         """Create the run directory like the simulator does (config.toml, env.json, partition.json, run.json)."""
         if self.run_dir is None:
             return
+        self._lock = RunLock(self.run_dir)  # one writer per run, as in the simulator; released by finish()
+        if not self._lock.__enter__():
+            raise RunBusy(
+                f"{self.run_dir} is being written by another process (pid {self._lock.holder}); wait for it to end"
+            )
         prepare_run_dir(self.run_dir, self.cfg, resume=False, force=force)
         write_json(self.run_dir / "env.json", environment())
         write_json(self.run_dir / "partition.json", self.exp.partition)
@@ -334,6 +340,9 @@ class HafedhoStrategy(Strategy):
     def finish(self) -> None:
         if self.run_dir is not None:
             atomic_write_text(self.run_dir / "done", "")
+        if self._lock is not None:
+            self._lock.__exit__()
+            self._lock = None
 
     def summary(self) -> None:
         log(INFO, "\t├── algorithm: %s (%s)", self.alg.name, type(self.alg).__name__)
