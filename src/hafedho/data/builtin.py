@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from hafedho.data.dataset import Dataset, _no_path
+from hafedho.data.dataset import Dataset, Source, no_path
 from hafedho.data.safe_pickle import DataError
 
-# ----------------------------------------------------------------------------- digits, synthetic
+__all__ = ["DIGITS", "SYNTHETIC"]
 
 
 def _load_digits(path: str | None = None) -> Dataset:
@@ -15,7 +15,7 @@ def _load_digits(path: str | None = None) -> Dataset:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    _no_path("digits", path)
+    no_path("digits", path)
     bunch = load_digits()
     x, y = (bunch.data / 16.0).astype(np.float32), bunch.target.astype(np.int64)
     # Seed 0 regardless of the run's seed: the test set must be the same in every experiment.
@@ -47,7 +47,7 @@ def _load_synthetic(
     samples are i.i.d. within a device, so this equals the reference's shuffle-then-split in distribution
     (the reference keeps 90%; 80% is the split the later LEAF/pFedMe generators and this project use).
     """
-    _no_path("synthetic", path)
+    no_path("synthetic", path)
     if num_devices < 1 or dim < 1 or num_classes < 2 or not 0.0 < train_fraction < 1.0:
         raise DataError("synthetic needs num_devices >= 1, dim >= 1, num_classes >= 2, 0 < train_fraction < 1")
     rng = np.random.default_rng(seed)
@@ -85,3 +85,19 @@ def _load_synthetic(
         groups=groups.astype(np.int64),
         info=info,
     )
+
+
+DIGITS = Source(
+    "digits",
+    "scikit-learn 8x8 digits, 1,797 images, 10 classes (bundled, no files)",
+    None,
+    _load_digits,
+    needs_files=False,
+)
+SYNTHETIC = Source(
+    "synthetic",
+    "FedProx Synthetic(alpha, beta), 30 devices, 60 features, 10 classes",
+    None,
+    _load_synthetic,
+    needs_files=False,
+)

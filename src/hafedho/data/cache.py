@@ -18,9 +18,6 @@ __all__ = ["cache_dir", "cached"]
 _CACHE_VERSION = 1
 
 
-# ----------------------------------------------------------------------------- cache
-
-
 def cache_dir() -> Path:
     """Where decoded arrays are cached: ``$HAFEDHO_CACHE_DIR`` or ``~/.cache/hafedho``."""
     return Path(os.environ.get("HAFEDHO_CACHE_DIR") or Path.home() / ".cache" / "hafedho")

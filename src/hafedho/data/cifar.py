@@ -10,9 +10,11 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from hafedho.data.dataset import Dataset, _existing
-from hafedho.data.imagefolder import ImageArrays, _image_dataset, is_image_folder, read_image_folder
+from hafedho.data.dataset import Dataset, Source, existing_path
+from hafedho.data.imagefolder import ImageArrays, image_dataset, is_image_folder, read_image_folder
 from hafedho.data.safe_pickle import DataError, safe_load
+
+__all__ = ["CIFAR10", "CIFAR100", "read_cifar_pickles"]
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
@@ -94,9 +96,12 @@ def read_cifar_pickles(path: Path, variant: str, label: str = "fine") -> ImageAr
     return ImageArrays(x_tr, y_tr, x_te, y_te, classes=tuple(str(i) for i in range(num_classes)))
 
 
+# ----------------------------------------------------------------------------- the cifar10 and cifar100 sources
+
+
 def _load_cifar10(path: str | None = None, *, cache: bool = True) -> Dataset:
     """CIFAR-10 from an image folder (directory or zip) or the official python pickles."""
-    p = _existing("cifar10", path)
+    p = existing_path("cifar10", path)
     pickles = p.is_dir() and ((p / "data_batch_1").is_file() or (p / "cifar-10-batches-py").is_dir())
     if p.is_dir() and not pickles and not is_image_folder(p):
         raise DataError(
@@ -112,13 +117,22 @@ def _load_cifar10(path: str | None = None, *, cache: bool = True) -> Dataset:
                 f"{p} is not CIFAR-10: found {len(arrays.classes)} classes of {arrays.x_train.shape[1:]} images, "
                 "need 10 classes of 32x32 RGB; use the imagefolder source for other data"
             )
-    return _image_dataset("cifar10", p, arrays, kind, mean=CIFAR10_MEAN, std=CIFAR10_STD)
+    return image_dataset("cifar10", p, arrays, kind, mean=CIFAR10_MEAN, std=CIFAR10_STD)
 
 
 def _load_cifar100(path: str | None = None, *, label: str = "fine") -> Dataset:
     """CIFAR-100 from the official python pickles; ``label`` is ``"fine"`` (100) or ``"coarse"`` (20)."""
-    p = _existing("cifar100", path)
+    p = existing_path("cifar100", path)
     arrays = read_cifar_pickles(p, "cifar100", label=label)
-    return _image_dataset(
-        "cifar100", p, arrays, f"python pickles, {label} labels", mean=CIFAR100_MEAN, std=CIFAR100_STD
-    )
+    return image_dataset("cifar100", p, arrays, f"python pickles, {label} labels", mean=CIFAR100_MEAN, std=CIFAR100_STD)
+
+
+CIFAR10 = Source(
+    "cifar10",
+    "CIFAR-10: image folder (dir/.zip) or official python pickles, 10 classes",
+    "../shared/data/cifar10_jpeg.zip",
+    _load_cifar10,
+)
+CIFAR100 = Source(
+    "cifar100", "CIFAR-100: official python pickles (cifar-100-python), 100 or 20 classes", None, _load_cifar100
+)

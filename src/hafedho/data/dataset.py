@@ -10,9 +10,18 @@ import numpy as np
 
 from hafedho.data.safe_pickle import DataError
 
-__all__ = ["Dataset", "Source"]
+__all__ = [
+    "Dataset",
+    "Source",
+    "existing_path",
+    "few",
+    "int_labels",
+    "no_path",
+    "require_finite",
+    "require_in_range",
+]
 
-# src/hafedho/data/sources.py -> the repository root, the fallback base for relative default paths.
+# src/hafedho/data/dataset.py -> the repository root, the fallback base for relative default paths.
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -52,10 +61,10 @@ class Dataset:
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
             if len(y) == 0:
                 raise DataError(f"{self.name}: the {split} split is empty (0 examples); give it examples")
-            _require_finite(x, self.name, split)
+            require_finite(x, self.name, split)
             if not np.issubdtype(y.dtype, np.integer):
                 raise DataError(f"{self.name}: {split} labels must be integers, got {y.dtype}")
-            _require_in_range(y, self.num_classes, self.name, split)
+            require_in_range(y, self.num_classes, self.name, split)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -74,7 +83,7 @@ class Source:
     needs_files: bool = True  # False for sources that are bundled or generated
 
 
-def _existing(name: str, path: str | Path | None) -> Path:
+def existing_path(name: str, path: str | Path | None) -> Path:
     """Resolve a data path: as given (relative to the working directory), else relative to the repo root."""
     if path is None:
         raise DataError(f"{name} needs data files; pass data.path=... pointing at your copy")
@@ -86,12 +95,12 @@ def _existing(name: str, path: str | Path | None) -> Path:
     raise DataError(f"{name} data not found: {path}; pass data.path=... pointing at your copy")
 
 
-def _no_path(name: str, path: str | Path | None) -> None:
+def no_path(name: str, path: str | Path | None) -> None:
     if path is not None:
         raise DataError(f"{name} is generated in memory and reads no files; drop data.path={path}")
 
 
-def _require_finite(x: np.ndarray, where: str, split: str) -> None:
+def require_finite(x: np.ndarray, where: str, split: str) -> None:
     """Refuse NaN/inf inputs at load: they would surface rounds later as a diverged run blamed on the step size."""
     if np.issubdtype(x.dtype, np.floating):
         bad = x.size - int(np.count_nonzero(np.isfinite(x)))
@@ -102,23 +111,23 @@ def _require_finite(x: np.ndarray, where: str, split: str) -> None:
             )
 
 
-def _require_in_range(y: np.ndarray, num_classes: int, where: str, split: str) -> None:
+def require_in_range(y: np.ndarray, num_classes: int, where: str, split: str) -> None:
     """Labels must be class indices ``0..num_classes-1``."""
     bad = np.unique(y[(y < 0) | (y >= num_classes)])
     if bad.size:
         raise DataError(
-            f"{where}: the {split} split has label(s) {_few(bad)} outside 0..{num_classes - 1} "
+            f"{where}: the {split} split has label(s) {few(bad)} outside 0..{num_classes - 1} "
             f"({num_classes} classes); labels must be class indices"
         )
 
 
-def _few(values: np.ndarray, k: int = 5) -> str:
+def few(values: np.ndarray, k: int = 5) -> str:
     """``[a, b, c]`` or ``[a, b, c, ... (12 in all)]``: error messages stay one short line."""
     shown = ", ".join(str(v) for v in values[:k].tolist())
     return f"[{shown}]" if len(values) <= k else f"[{shown}, ... ({len(values)} in all)]"
 
 
-def _int_labels(raw: np.ndarray, where: str, split: str) -> np.ndarray:
+def int_labels(raw: np.ndarray, where: str, split: str) -> np.ndarray:
     """Labels as int64; a fractional, NaN or non-numeric label is an error, never truncated to an integer."""
     if np.issubdtype(raw.dtype, np.integer):
         return raw.astype(np.int64)

@@ -11,10 +11,10 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from hafedho.data.cache import cached
-from hafedho.data.dataset import Dataset, _existing, _int_labels, _require_finite, _require_in_range
+from hafedho.data.dataset import Dataset, Source, existing_path, int_labels, require_finite, require_in_range
 from hafedho.data.safe_pickle import DataError
 
-# ----------------------------------------------------------------------------- femnist
+__all__ = ["FEMNIST", "FEMNIST_MEAN", "FEMNIST_STD"]
 
 # Pixel statistics of the LEAF FEMNIST train split (1.0 = background), measured on the 105-writer subset in
 # ../shared/data (mean 0.9612, std 0.1656); TFF's h5 files use the same convention. Without normalisation the
@@ -42,7 +42,7 @@ def _add_leaf(store: _Store, blob: bytes, where: str, split: str) -> None:
             raise DataError(f"{where}: writer {uid} has malformed 'x'/'y' ({e}); replace the file") from e
         if x.shape != (len(y), 784) or y.ndim != 1:
             raise DataError(f"{where}: writer {uid} must have x of shape (n, 784) and n labels, got {x.shape}")
-        writers.append((uid, x, _int_labels(y, f"{where}: writer {uid}", split)))
+        writers.append((uid, x, int_labels(y, f"{where}: writer {uid}", split)))
     # One count for the whole file, so the message says how much of it is bad.
     bad = sum(x.size - int(np.count_nonzero(np.isfinite(x))) for _, x, _ in writers)
     if bad:
@@ -125,10 +125,10 @@ def _read_tff_h5(path: Path) -> dict[str, np.ndarray]:
             with h5py.File(f, "r") as h5:
                 for cid, g in h5["examples"].items():
                     x = np.asarray(g["pixels"], dtype=np.float32)
-                    y = _int_labels(np.asarray(g["label"]).reshape(-1), f"{f}: client {cid}", split)
+                    y = int_labels(np.asarray(g["label"]).reshape(-1), f"{f}: client {cid}", split)
                     if x.shape != (len(y), 28, 28):
                         raise DataError(f"{f}: client {cid} pixels must be (n, 28, 28), got {x.shape}")
-                    _require_finite(x, f"{f}: client {cid}", split)
+                    require_finite(x, f"{f}: client {cid}", split)
                     store[cid] = [(x.reshape(-1, 784), y)]
         except (OSError, KeyError, TypeError) as e:
             raise DataError(f"cannot read TFF EMNIST file {f} ({e}); expect /examples/<client>/pixels, label") from e
@@ -138,7 +138,7 @@ def _read_tff_h5(path: Path) -> dict[str, np.ndarray]:
 
 def _load_femnist(path: str | None = None, *, cache: bool = True) -> Dataset:
     """FEMNIST by writer: LEAF JSON (directory or ``.tar.gz``) or TFF's ``fed_emnist_*.h5``."""
-    p = _existing("femnist", path)
+    p = existing_path("femnist", path)
     h5 = p.suffix == ".h5" or (p.is_dir() and (p / "fed_emnist_train.h5").is_file())
     if h5:
         arrays, hit = _read_tff_h5(p), False
@@ -148,8 +148,8 @@ def _load_femnist(path: str | None = None, *, cache: bool = True) -> Dataset:
         arrays, hit = _read_leaf(p), False
     num_classes = 10 if "digitsonly" in p.name else 62
     for split in ("train", "test"):
-        _require_in_range(arrays[f"y_{split}"], num_classes, f"femnist {p}", split)
-        _require_finite(arrays[f"x_{split}"], f"femnist {p}", split)  # a cache written before this check existed
+        require_in_range(arrays[f"y_{split}"], num_classes, f"femnist {p}", split)
+        require_finite(arrays[f"x_{split}"], f"femnist {p}", split)  # a cache written before this check existed
     info = (
         f"femnist from {p}{' (cached)' if hit else ''}: {len(arrays['writers'])} writers, "
         f"{len(arrays['y_train'])} train / {len(arrays['y_test'])} test samples"
@@ -166,3 +166,11 @@ def _load_femnist(path: str | None = None, *, cache: bool = True) -> Dataset:
         std=FEMNIST_STD,
         info=info,
     )
+
+
+FEMNIST = Source(
+    "femnist",
+    "FEMNIST by writer: LEAF JSON dir/.tar.gz or TFF fed_emnist_*.h5, 62 classes",
+    "../shared/data/femnist_leaf_sf05.tar.gz",
+    _load_femnist,
+)

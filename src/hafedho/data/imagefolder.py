@@ -1,7 +1,7 @@
 """Image folders: ``train/<class>/*``, ``test/<class>/*`` in a directory or a zip, read in place.
 
 Images come out as uint8 ``[N, C, H, W]``; nothing is extracted to disk. :class:`ImageArrays` and
-:func:`_image_dataset` are shared with the CIFAR reader.
+:func:`image_dataset` are shared with the CIFAR reader.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from hafedho.data.cache import cached
-from hafedho.data.dataset import Dataset, _existing
+from hafedho.data.dataset import Dataset, Source, existing_path
 from hafedho.data.safe_pickle import DataError
 
-__all__ = ["ImageArrays", "is_image_folder", "read_image_folder"]
+__all__ = ["IMAGEFOLDER", "ImageArrays", "image_dataset", "is_image_folder", "read_image_folder"]
 
 
 @dataclass(frozen=True)
@@ -226,10 +226,10 @@ def _decode_all(folder: _Folder, names: list[str], mode: str, size: tuple[int, i
     return out
 
 
-# ----------------------------------------------------------------------------- images
+# ----------------------------------------------------------------------------- the imagefolder source
 
 
-def _image_dataset(name: str, p: Path, arrays: ImageArrays, kind: str, **stats: object) -> Dataset:
+def image_dataset(name: str, p: Path, arrays: ImageArrays, kind: str, **stats: object) -> Dataset:
     info = (
         f"{name} from {p} ({kind}{', cached' if arrays.cached else ''}): {len(arrays.y_train)} train / "
         f"{len(arrays.y_test)} test, shape {tuple(arrays.x_train.shape[1:])}, {len(arrays.classes)} classes"
@@ -259,10 +259,10 @@ def _load_imagefolder(
     ``mean``/``std`` are the per-channel statistics of the train images, so normalisation needs no
     configuration.
     """
-    p = _existing("imagefolder", path)
+    p = existing_path("imagefolder", path)
     arrays = read_image_folder(p, mode=mode, size=size, resize=resize, cache=cache)
     mean, std = _channel_stats(arrays.x_train)
-    return _image_dataset("imagefolder", p, arrays, "image folder", mean=mean, std=std)
+    return image_dataset("imagefolder", p, arrays, "image folder", mean=mean, std=std)
 
 
 def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -276,3 +276,11 @@ def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]
     mean = sums / n
     std = np.sqrt(np.maximum(sq / n - mean**2, 0.0))
     return tuple(round(float(m), 4) for m in mean), tuple(round(max(float(s), 1e-3), 4) for s in std)
+
+
+IMAGEFOLDER = Source(
+    "imagefolder",
+    "your images: train/<class>/*, test/<class>/* in a directory or .zip",
+    None,
+    _load_imagefolder,
+)

@@ -7,11 +7,10 @@ import zlib
 
 import numpy as np
 
-from hafedho.data.dataset import Dataset, _existing, _few, _require_finite, _require_in_range
+from hafedho.data.dataset import Dataset, Source, existing_path, few, require_finite, require_in_range
 from hafedho.data.safe_pickle import DataError
 
-# ----------------------------------------------------------------------------- npz
-
+__all__ = ["NPZ"]
 
 _LAYOUTS = ("auto", "NCHW", "NHWC")
 
@@ -43,7 +42,7 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout
     declares the classes (labels ``0..num_classes-1``); without it they are the train split's labels, and
     a label seen only in the test split is an error, since it would silently widen the model.
     """
-    p = _existing("npz", path)
+    p = existing_path("npz", path)
     layout = str(layout).upper() if str(layout).lower() != "auto" else "auto"
     if layout not in _LAYOUTS:
         raise DataError(f"npz: layout must be one of {', '.join(_LAYOUTS)}, got {layout!r}")
@@ -76,11 +75,11 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout
         test_only = np.setdiff1d(y["test"], y["train"])
         if test_only.size:
             raise DataError(
-                f"npz file {p}: label(s) {_few(test_only)} appear only in the test split (y_test), never in y_train; "
+                f"npz file {p}: label(s) {few(test_only)} appear only in the test split (y_test), never in y_train; "
                 "declare the classes with data.options.num_classes=N, or fix the split"
             )
     for s in ("train", "test"):
-        _require_in_range(y[s], num_classes, f"npz file {p}", s)
+        require_in_range(y[s], num_classes, f"npz file {p}", s)
     groups = arrays.get("groups")
     if groups is not None:
         if groups.shape != (len(x["train"]),) or not np.issubdtype(groups.dtype, np.integer):
@@ -99,7 +98,7 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout
     with np.errstate(over="ignore"):  # values beyond float32's range become inf, refused just below
         xs = {s: x[s] if x[s].dtype == np.uint8 else x[s].astype(np.float32) for s in x}
     for s in ("train", "test"):
-        _require_finite(xs[s], f"npz file {p}", s)
+        require_finite(xs[s], f"npz file {p}", s)
     info = f"npz from {p}: {len(y['train'])} train / {len(y['test'])} test, shape {xs['train'].shape[1:]}{note}"
     return Dataset(
         "npz",
@@ -111,3 +110,6 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout
         groups=groups,
         info=info,
     )
+
+
+NPZ = Source("npz", "your arrays: .npz with x_train, y_train, x_test, y_test [, groups]", None, _load_npz)

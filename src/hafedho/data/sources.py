@@ -9,60 +9,20 @@ from __future__ import annotations
 
 import inspect
 
-from hafedho.data.builtin import _load_digits, _load_synthetic
-from hafedho.data.cifar import _load_cifar10, _load_cifar100
+from hafedho.data.builtin import DIGITS, SYNTHETIC
+from hafedho.data.cifar import CIFAR10, CIFAR100
 from hafedho.data.dataset import Dataset, Source
-from hafedho.data.femnist import _load_femnist
-from hafedho.data.imagefolder import _load_imagefolder
-from hafedho.data.npz import _load_npz
+from hafedho.data.femnist import FEMNIST
+from hafedho.data.imagefolder import IMAGEFOLDER
+from hafedho.data.npz import NPZ
 from hafedho.data.safe_pickle import DataError
 
 __all__ = ["SOURCES", "DataError", "Dataset", "Source", "load_dataset"]
 
 
-# ----------------------------------------------------------------------------- registry
-
-SOURCES: dict[str, Source] = {
-    s.name: s
-    for s in (
-        Source(
-            "digits",
-            "scikit-learn 8x8 digits, 1,797 images, 10 classes (bundled, no files)",
-            None,
-            _load_digits,
-            needs_files=False,
-        ),
-        Source(
-            "synthetic",
-            "FedProx Synthetic(alpha, beta), 30 devices, 60 features, 10 classes",
-            None,
-            _load_synthetic,
-            needs_files=False,
-        ),
-        Source(
-            "femnist",
-            "FEMNIST by writer: LEAF JSON dir/.tar.gz or TFF fed_emnist_*.h5, 62 classes",
-            "../shared/data/femnist_leaf_sf05.tar.gz",
-            _load_femnist,
-        ),
-        Source(
-            "cifar10",
-            "CIFAR-10: image folder (dir/.zip) or official python pickles, 10 classes",
-            "../shared/data/cifar10_jpeg.zip",
-            _load_cifar10,
-        ),
-        Source(
-            "cifar100", "CIFAR-100: official python pickles (cifar-100-python), 100 or 20 classes", None, _load_cifar100
-        ),
-        Source(
-            "imagefolder",
-            "your images: train/<class>/*, test/<class>/* in a directory or .zip",
-            None,
-            _load_imagefolder,
-        ),
-        Source("npz", "your arrays: .npz with x_train, y_train, x_test, y_test [, groups]", None, _load_npz),
-    )
-}
+# The registry: ``hafedho datasets`` lists the sources in this order. A new source is a module declaring its
+# ``Source`` plus one entry here.
+SOURCES: dict[str, Source] = {s.name: s for s in (DIGITS, SYNTHETIC, FEMNIST, CIFAR10, CIFAR100, IMAGEFOLDER, NPZ)}
 
 
 def load_dataset(name: str, path: str | None = None, **options: object) -> Dataset:

@@ -1,8 +1,10 @@
-"""Start and stop a Flower deployment (SuperLink, SuperNodes), make TLS certificates, submit and follow runs.
+"""Start and stop a Flower deployment (SuperLink, SuperNodes) on this machine: :class:`Deployment`.
 
 Thin wrappers over Flower's own commands (``flower-superlink``, ``flower-supernode``, ``flwr``), used by
-``hafedho flower ...`` and by the tests. Every process is started in its own session and stopped by pid,
-together with the processes it spawned (SuperExec, ServerApp, ClientApps), found through ``/proc``.
+``hafedho flower ...`` and by the tests. The toolkit has one module per job: processes (:mod:`.procs`: started in
+their own session, stopped by pid with all they spawned), certificates (:mod:`.certs`), the ``flwr`` command
+(:mod:`.flwr_cli`) and the App folder (:mod:`.app`); this module builds the SuperLink's and SuperNodes' command
+lines and re-exports the rest, so ``from hafedho.flower import deploy`` is the whole toolkit.
 Nothing here imports flwr, so it also works where only the Flower commands are installed.
 """
 

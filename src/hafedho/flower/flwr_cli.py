@@ -18,6 +18,7 @@ class DeployError(RuntimeError):
 
 
 def toml_value(v: Any) -> str:
+    """``v`` as a TOML value (bool, number or basic string), as the run config and ``--node-config`` take it."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
