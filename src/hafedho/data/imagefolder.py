@@ -230,6 +230,7 @@ def _decode_all(folder: _Folder, names: list[str], mode: str, size: tuple[int, i
 
 
 def image_dataset(name: str, p: Path, arrays: ImageArrays, kind: str, **stats: object) -> Dataset:
+    """The :class:`Dataset` of decoded images read from ``p``; ``stats`` are its ``mean`` and ``std``."""
     info = (
         f"{name} from {p} ({kind}{', cached' if arrays.cached else ''}): {len(arrays.y_train)} train / "
         f"{len(arrays.y_test)} test, shape {tuple(arrays.x_train.shape[1:])}, {len(arrays.classes)} classes"
