@@ -26,7 +26,7 @@ from fixtures_data import (
     write_image_folder,
 )
 
-from hafedho.data import images
+from hafedho.data import cache, femnist
 from hafedho.data.federated import FederatedData
 from hafedho.data.safe_pickle import safe_load
 from hafedho.data.sources import SOURCES, DataError, Dataset, load_dataset
@@ -340,7 +340,7 @@ def test_imagefolder_cache_hit_rebuild_and_invalidation(tmp_path: Path):
     path = write_image_folder(imgs, tmp_path / "set", as_zip=True)
     first = load_dataset("imagefolder", str(path))
     assert "cached" not in first.info and "cached" in load_dataset("imagefolder", str(path)).info
-    (entry,) = images.cache_dir().glob("imagefolder-*.npz")
+    (entry,) = cache.cache_dir().glob("imagefolder-*.npz")
     entry.write_bytes(b"garbage")  # a corrupt cache entry is ignored and replaced
     rebuilt = load_dataset("imagefolder", str(path))
     assert "cached" not in rebuilt.info and zipfile.is_zipfile(entry)
@@ -502,14 +502,14 @@ def test_tff_h5_non_finite_pixels_are_refused(tmp_path: Path):
 
 def test_stale_femnist_cache_with_nan_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     make_leaf_dir(tmp_path / "leaf")
-    real = images.cached
+    real = femnist.cached
 
     def stale(kind, path, options, build):  # as a cache written before the check existed would be read back
         arrays, _ = real(kind, path, options, build)
         arrays["x_test"][0, 0, 0, 0] = np.nan
         return arrays, True
 
-    monkeypatch.setattr(images, "cached", stale)
+    monkeypatch.setattr(femnist, "cached", stale)
     with pytest.raises(DataError, match=r"^femnist .*leaf: the test split has 1 non-finite"):
         load_dataset("femnist", str(tmp_path / "leaf"))
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from hafedho.config import CONFIG_DIR, ConfigError, load_config
 from hafedho.flower import deploy
+from hafedho.flower.app import RUN_CONFIG_DEFAULTS
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -59,10 +60,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("--simulation", type=int, metavar="N", help="the SuperLink runs --simulation: N virtual SuperNodes")
     r.add_argument("--client-cpus", type=int, default=1, help="simulation: CPUs per ClientApp (Ray resources)")
     r.add_argument("--client-gpus", type=float, default=0.0, help="simulation: share of a GPU per ClientApp")
-    r.add_argument("--run-dir", default="", help="run directory on the SuperLink's machine (absolute path best)")
-    r.add_argument("--round-timeout", type=float, default=600.0, help="seconds a round waits for replies")
-    r.add_argument("--node-wait", type=float, default=120.0, help="seconds round 1 waits for its SuperNodes")
-    r.add_argument("--torch-threads", type=int, default=0, help="> 0: torch threads of the server and each client")
+    rc = RUN_CONFIG_DEFAULTS  # the Flower App's own defaults (hafedho.flower.app.RUN_CONFIG)
+    r.add_argument(
+        "--run-dir", default=rc["run-dir"], help="run directory on the SuperLink's machine (absolute path best)"
+    )
+    r.add_argument("--round-timeout", type=float, default=rc["round-timeout"], help="seconds a round waits for replies")
+    r.add_argument("--node-wait", type=float, default=rc["node-wait"], help="seconds round 1 waits for its SuperNodes")
+    r.add_argument(
+        "--torch-threads",
+        type=int,
+        default=rc["torch-threads"],
+        help="> 0: torch threads of the server and each client",
+    )
     r.add_argument("--force", action="store_true", help="replace an existing run directory")
     r.add_argument("--app", help="Flower App folder (default: a generated one naming hafedho's apps)")
     r.add_argument("--wait", action="store_true", help="wait for the run to finish and print its log")

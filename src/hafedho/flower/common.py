@@ -21,18 +21,8 @@ from torch import Tensor
 
 from hafedho.config import CONFIG_DIR, Config, ConfigError, load_config
 from hafedho.core import ClientData, ClientInfo, RoundInfo, tree
+from hafedho.flower.app import RUN_CONFIG_DEFAULTS  # the run config's keys and defaults, defined there
 from hafedho.sim.runner import Experiment
-
-# Keys of ``[tool.flwr.app.config]`` (the run config) and their defaults.
-RUN_CONFIG_DEFAULTS: dict[str, Any] = {
-    "hafedho-config": "smoke",  # an embedded config name (default, demo, smoke) or a TOML path
-    "overrides": "",  # space-separated dotted overrides, e.g. "algorithm.name=scaffold rounds=5"
-    "run-dir": "",  # where the ServerApp writes metrics.jsonl; "" = <out>/flower/<run name>
-    "round-timeout": 600.0,  # seconds a round waits for replies; late or missing replies are dropped
-    "node-wait": 120.0,  # seconds, from the first round, to wait for the nodes of a cohort to connect
-    "force": False,  # replace an existing run directory
-    "torch-threads": 0,  # > 0: torch.set_num_threads in the ServerApp and ClientApps
-}
 
 # Node-config keys (``flower-supernode --node-config``); the simulation engine sets the first two itself.
 PARTITION_ID = "partition-id"

@@ -1,18 +1,13 @@
-"""Image readers: image folders (directory or zip), CIFAR python pickles, and the decoded-array cache.
+"""Image folders: ``train/<class>/*``, ``test/<class>/*`` in a directory or a zip, read in place.
 
-Readers return plain arrays; :mod:`hafedho.data.sources` wraps them into ``Dataset`` objects. Images come out
-as uint8 ``[N, C, H, W]``. Everything is read in place, straight from the archive, never extracted to disk.
+Images come out as uint8 ``[N, C, H, W]``; nothing is extracted to disk. :class:`ImageArrays` and
+:func:`image_dataset` are shared with the CIFAR reader.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tarfile
-import tempfile
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path, PurePosixPath
@@ -20,19 +15,11 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from hafedho.data.safe_pickle import DataError, safe_load
+from hafedho.data.cache import cached
+from hafedho.data.dataset import Dataset, Source, existing_path
+from hafedho.data.safe_pickle import DataError
 
-__all__ = [
-    "ImageArrays",
-    "cache_dir",
-    "cached",
-    "is_image_folder",
-    "read_cifar_pickles",
-    "read_image_folder",
-]
-
-# Bump when the layout of cached arrays changes, so stale caches are rebuilt rather than misread.
-_CACHE_VERSION = 1
+__all__ = ["IMAGEFOLDER", "ImageArrays", "image_dataset", "is_image_folder", "read_image_folder"]
 
 
 @dataclass(frozen=True)
@@ -45,65 +32,6 @@ class ImageArrays:
     y_test: np.ndarray
     classes: tuple[str, ...]
     cached: bool = False  # True when the arrays came from the decoded-array cache
-
-
-# ----------------------------------------------------------------------------- cache
-
-
-def cache_dir() -> Path:
-    """Where decoded arrays are cached: ``$HAFEDHO_CACHE_DIR`` or ``~/.cache/hafedho``."""
-    return Path(os.environ.get("HAFEDHO_CACHE_DIR") or Path.home() / ".cache" / "hafedho")
-
-
-def _fingerprint(path: Path) -> str:
-    """Identity of a file or directory tree: resolved path plus size and mtime of every file."""
-    h = hashlib.sha256(str(path.resolve()).encode())
-    if path.is_dir():
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            st = f.stat()
-            h.update(f"\0{f.relative_to(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    else:
-        st = path.stat()
-        h.update(f"\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    return h.hexdigest()
-
-
-def cached(
-    kind: str, path: Path, options: str, build: Callable[[], dict[str, np.ndarray]]
-) -> tuple[dict[str, np.ndarray], bool]:
-    """Return ``build()``'s arrays, memoised as an ``.npz`` under :func:`cache_dir`.
-
-    The key is the source's resolved path, the size and mtime of its file(s), ``options`` and a format
-    version, so an edited or replaced source is decoded afresh. The cache is written atomically (temporary
-    file, then ``os.replace``); an unreadable cache entry is rebuilt; an unwritable cache dir only costs
-    the speed-up.
-
-    Returns:
-        The arrays and whether they came from the cache.
-    """
-    key = hashlib.sha256(f"{_CACHE_VERSION}\0{kind}\0{options}\0{_fingerprint(path)}".encode()).hexdigest()
-    target = cache_dir() / f"{kind}-{path.name}-{key[:20]}.npz"
-    if target.is_file():
-        try:
-            with np.load(target, allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}, True
-        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error):
-            pass  # corrupt or half-written by a crashed process: rebuild and replace it below
-    arrays = build()
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", suffix=".npz", delete=False) as f:
-            tmp = f.name
-            np.savez(f, **arrays)
-        os.replace(tmp, target)
-        tmp = None
-    except OSError:
-        pass  # read-only home, full disk: the data is still correct, just not cached
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-    return arrays, False
 
 
 # ----------------------------------------------------------------------------- image folders
@@ -298,77 +226,62 @@ def _decode_all(folder: _Folder, names: list[str], mode: str, size: tuple[int, i
     return out
 
 
-# ----------------------------------------------------------------------------- CIFAR pickles
-
-_CIFAR_FILES = {
-    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
-    "cifar100": ("cifar-100-python", ["train"], ["test"]),
-}
+# ----------------------------------------------------------------------------- the imagefolder source
 
 
-def _pickle_members(path: Path, folder: str, wanted: set[str]) -> Iterator[tuple[str, object]]:
-    """Yield ``(basename, unpickled)`` for the wanted CIFAR files in a directory or a ``.tar[.gz]``."""
-    if path.is_dir():
-        base = path / folder if (path / folder).is_dir() else path
-        for name in sorted(wanted):
-            f = base / name
-            if not f.is_file():
-                raise DataError(
-                    f"CIFAR file {f} not found; point data.path at the {folder}/ folder (or its parent) of the "
-                    "official python version"
-                )
-            yield name, safe_load(f)
-        return
-    try:
-        with tarfile.open(path, "r:*") as tf:
-            for member in tf:
-                name = PurePosixPath(member.name).name
-                if member.isfile() and name in wanted:
-                    fobj = tf.extractfile(member)
-                    assert fobj is not None  # regular file members always have data
-                    yield name, safe_load(fobj, name=f"{path}:{member.name}")
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-        raise DataError(f"cannot read archive {path}: truncated or corrupt ({e}); re-download it") from e
+def image_dataset(name: str, p: Path, arrays: ImageArrays, kind: str, **stats: object) -> Dataset:
+    """The :class:`Dataset` of decoded images read from ``p``; ``stats`` are its ``mean`` and ``std``."""
+    info = (
+        f"{name} from {p} ({kind}{', cached' if arrays.cached else ''}): {len(arrays.y_train)} train / "
+        f"{len(arrays.y_test)} test, shape {tuple(arrays.x_train.shape[1:])}, {len(arrays.classes)} classes"
+    )
+    return Dataset(
+        name,
+        arrays.x_train,
+        arrays.y_train,
+        arrays.x_test,
+        arrays.y_test,
+        len(arrays.classes),
+        info=info,
+        **stats,  # type: ignore[arg-type]
+    )
 
 
-def _cifar_arrays(obj: object, label_key: str, num_classes: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-    if not isinstance(obj, dict) or "data" not in obj or label_key not in obj:
-        keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-        raise DataError(f"{where} is not a CIFAR batch: need 'data' and '{label_key}', found {keys}")
-    data, labels = obj["data"], np.asarray(obj[label_key])
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
-        shape = getattr(data, "shape", None)
-        raise DataError(f"{where}: 'data' must be uint8 (N, 3072), got {type(data).__name__} {shape}")
-    if labels.shape != (len(data),) or not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(f"{where}: '{label_key}' must hold {len(data)} integer labels, got shape {labels.shape}")
-    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-        raise DataError(f"{where}: '{label_key}' must lie in 0..{num_classes - 1}")
-    # Each row is 1024 R, then 1024 G, then 1024 B values, each plane 32x32 row-major.
-    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
+def _load_imagefolder(
+    path: str | None = None,
+    *,
+    mode: str = "RGB",
+    size: tuple[int, int] | None = None,
+    resize: bool = False,
+    cache: bool = True,
+) -> Dataset:
+    """Any ``train/<class>/*``, ``test/<class>/*`` image folder (directory or zip).
 
-
-def read_cifar_pickles(path: Path, variant: str, label: str = "fine") -> ImageArrays:
-    """Read the official CIFAR "python version": a directory (or its parent) or the ``.tar.gz`` itself.
-
-    Args:
-        path: ``cifar-10-batches-py/`` / ``cifar-100-python/``, a folder holding it, or the original archive.
-        variant: ``"cifar10"`` or ``"cifar100"``.
-        label: CIFAR-100 only: ``"fine"`` (100 classes) or ``"coarse"`` (20 superclasses).
+    ``mean``/``std`` are the per-channel statistics of the train images, so normalisation needs no
+    configuration.
     """
-    folder, train_names, test_names = _CIFAR_FILES[variant]
-    if variant == "cifar10":
-        label_key, num_classes = "labels", 10
-    elif label in ("fine", "coarse"):
-        label_key, num_classes = f"{label}_labels", 100 if label == "fine" else 20
-    else:
-        raise DataError(f"cifar100 label must be 'fine' or 'coarse', got {label!r}")
-    found = dict(_pickle_members(path, folder, set(train_names + test_names)))
-    missing = [n for n in train_names + test_names if n not in found]
-    if missing:
-        raise DataError(f"{path} lacks CIFAR files {missing}; use the complete official python-version archive")
-    parts = {
-        n: _cifar_arrays(found[n], label_key, num_classes, f"{path}:{folder}/{n}") for n in train_names + test_names
-    }
-    x_tr, y_tr = (np.concatenate(a) for a in zip(*(parts[n] for n in train_names), strict=True))
-    x_te, y_te = (np.concatenate(a) for a in zip(*(parts[n] for n in test_names), strict=True))
-    return ImageArrays(x_tr, y_tr, x_te, y_te, classes=tuple(str(i) for i in range(num_classes)))
+    p = existing_path("imagefolder", path)
+    arrays = read_image_folder(p, mode=mode, size=size, resize=resize, cache=cache)
+    mean, std = _channel_stats(arrays.x_train)
+    return image_dataset("imagefolder", p, arrays, "image folder", mean=mean, std=std)
+
+
+def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    sums = np.zeros(x.shape[1])
+    sq = np.zeros(x.shape[1])
+    for start in range(0, len(x), 4096):  # chunked so a float copy of the whole set never exists
+        c = x[start : start + 4096].astype(np.float64) / 255.0
+        sums += c.sum(axis=(0, 2, 3))
+        sq += (c**2).sum(axis=(0, 2, 3))
+    n = max(1, len(x) * x.shape[2] * x.shape[3])
+    mean = sums / n
+    std = np.sqrt(np.maximum(sq / n - mean**2, 0.0))
+    return tuple(round(float(m), 4) for m in mean), tuple(round(max(float(s), 1e-3), 4) for s in std)
+
+
+IMAGEFOLDER = Source(
+    "imagefolder",
+    "your images: train/<class>/*, test/<class>/* in a directory or .zip",
+    None,
+    _load_imagefolder,
+)

@@ -1,0 +1,74 @@
+"""The decoded-array cache: a reader's arrays memoised as an ``.npz``, keyed by the source file's identity."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["cache_dir", "cached"]
+
+# Bump when the layout of cached arrays changes, so stale caches are rebuilt rather than misread.
+_CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """Where decoded arrays are cached: ``$HAFEDHO_CACHE_DIR`` or ``~/.cache/hafedho``."""
+    return Path(os.environ.get("HAFEDHO_CACHE_DIR") or Path.home() / ".cache" / "hafedho")
+
+
+def _fingerprint(path: Path) -> str:
+    """Identity of a file or directory tree: resolved path plus size and mtime of every file."""
+    h = hashlib.sha256(str(path.resolve()).encode())
+    if path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            st = f.stat()
+            h.update(f"\0{f.relative_to(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    else:
+        st = path.stat()
+        h.update(f"\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def cached(
+    kind: str, path: Path, options: str, build: Callable[[], dict[str, np.ndarray]]
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Return ``build()``'s arrays, memoised as an ``.npz`` under :func:`cache_dir`.
+
+    The key is the source's resolved path, the size and mtime of its file(s), ``options`` and a format
+    version, so an edited or replaced source is decoded afresh. The cache is written atomically (temporary
+    file, then ``os.replace``); an unreadable cache entry is rebuilt; an unwritable cache dir only costs
+    the speed-up.
+
+    Returns:
+        The arrays and whether they came from the cache.
+    """
+    key = hashlib.sha256(f"{_CACHE_VERSION}\0{kind}\0{options}\0{_fingerprint(path)}".encode()).hexdigest()
+    target = cache_dir() / f"{kind}-{path.name}-{key[:20]}.npz"
+    if target.is_file():
+        try:
+            with np.load(target, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}, True
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error):
+            pass  # corrupt or half-written by a crashed process: rebuild and replace it below
+    arrays = build()
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", suffix=".npz", delete=False) as f:
+            tmp = f.name
+            np.savez(f, **arrays)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError:
+        pass  # read-only home, full disk: the data is still correct, just not cached
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return arrays, False
