@@ -23,12 +23,14 @@ from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, Func
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.experiment import build
 from hafedho.models import build_model, cnn
-from hafedho.sim import engines
-from hafedho.sim.engines import AutoEngine, LoopEngine, RoundWork, auto_choice, loop_engine, make_engine
-from hafedho.sim.process import ProcessEngine, WorkerError, dumps, loads
+from hafedho.sim.engines import registry
+from hafedho.sim.engines.base import RoundWork
+from hafedho.sim.engines.loop import LoopEngine, loop_engine
+from hafedho.sim.engines.process import ProcessEngine, WorkerError, dumps, loads
+from hafedho.sim.engines.registry import AutoEngine, auto_choice, make_engine
+from hafedho.sim.engines.vmap import VmapEngine, VmapUnsupported, stack_data
 from hafedho.sim.runner import Divergence, run
 from hafedho.sim.store import ClientStore
-from hafedho.sim.vmap import VmapEngine, VmapUnsupported, stack_data
 
 # Not vmap-safe client updates, by registry name -> reason (none known today; see the report of issue #4).
 VMAP_XFAIL: dict[str, str] = {}
@@ -294,9 +296,9 @@ def test_stack_data_pads_short_clients_with_no_op_steps() -> None:
 def test_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = FunctionalModel(nn.Linear(4, 2))
     bn = FunctionalModel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
-    monkeypatch.setattr(engines, "available_cores", lambda: 1)
+    monkeypatch.setattr(registry, "available_cores", lambda: 1)
     assert auto_choice(plain) == "loop"
-    monkeypatch.setattr(engines, "available_cores", lambda: 8)
+    monkeypatch.setattr(registry, "available_cores", lambda: 8)
     assert auto_choice(plain) == "process"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert auto_choice(plain) == "vmap" and auto_choice(bn) == "process"

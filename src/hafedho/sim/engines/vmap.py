@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hafedho.core import ClientData, FunctionalModel
-from hafedho.sim.engines import CohortResult, CohortStream, RoundWork, has_batchnorm
-from hafedho.sim.seeds import seed_for
+from hafedho.core.seeds import seed_for
+from hafedho.sim.engines.base import CohortResult, CohortStream, RoundWork, has_batchnorm
 from hafedho.sim.store import ClientStore
 
 
