@@ -9,7 +9,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import nn
 
 from hafedho.core import ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.seeds import seed_for
@@ -82,7 +81,3 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def has_batchnorm(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
