@@ -64,10 +64,14 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the modules it imports; a package's ``__init__`` re-exporting its own modules is no edge (Python
     runs the ``__init__`` before any of its modules, so ``from hafedho.core import tree`` in a core module is
     no cycle), but any other import from an ``__init__`` is."""
+    from hafedho.sim.engines.registry import ENGINES
+
     graph = {}
     for name, path in MODULES.items():
         own = name + "." if path.name == "__init__.py" else None
         graph[name] = {m for m in imported_modules(path) if own is None or not m.startswith(own)}
+    registry = "hafedho.sim.engines.registry"  # it imports its engines by module path, on demand: edges too
+    graph[registry] |= {spec.target.partition(":")[0] for spec in ENGINES.values()} - {registry}
     return graph
 
 
