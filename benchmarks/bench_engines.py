@@ -46,7 +46,8 @@ from hafedho.config import CONFIG_DIR, load_config
 from hafedho.core import RoundInfo
 from hafedho.experiment import build
 from hafedho.models import count_flops
-from hafedho.sim.engines import RoundWork, available_cores, make_engine
+from hafedho.sim.engines.base import RoundWork, available_cores
+from hafedho.sim.engines.registry import make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -217,7 +218,7 @@ def step_times(workload: str, algorithm: str, tries: int = 30) -> dict[str, floa
     """
     exp = experiment(workload, algorithm, "clients.local_steps=10")  # 10 steps per try: a step's cost is the same
     alg, fed, model, plan, seed = exp.alg, exp.fed, exp.model, exp.plan, exp.cfg.seed
-    from hafedho.sim.process import _linux_worker_setup, worker_model
+    from hafedho.sim.engines.process import _linux_worker_setup, worker_model
 
     _linux_worker_setup()  # as in a worker (it also helps the usual loop: both allocate per step)
     cid = int(exp.cohort(2)[0])

@@ -32,7 +32,7 @@ import torch
 
 from hafedho.config import CONFIG_DIR, load_config
 from hafedho.experiment import build
-from hafedho.sim.engines import available_cores
+from hafedho.sim.engines.base import available_cores
 from hafedho.sim.runner import Experiment, run
 
 START, END = "<!-- bench_threads: start -->", "<!-- bench_threads: end -->"

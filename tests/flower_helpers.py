@@ -16,12 +16,12 @@ from tolerance import fp32_close, longest_reduction
 
 from hafedho.config import load_config
 from hafedho.core import RoundInfo, tree
+from hafedho.core.seeds import seed_for
 from hafedho.experiment import build
 from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import client_template, config_path
 from hafedho.sim import checkpoint
 from hafedho.sim.runner import Experiment, run
-from hafedho.sim.seeds import seed_for
 from hafedho.sim.store import ClientStore
 
 

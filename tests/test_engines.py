@@ -3,9 +3,11 @@ pool is deterministic, streams errors back and never leaks workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing as mp
 import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,20 +20,19 @@ from torch import nn
 
 from hafedho.algorithms import REGISTRY
 from hafedho.algorithms.fedavg import Broadcast, FedAvg
-from hafedho.config import CONFIG_DIR, load_config
+from hafedho.config import CONFIG_DIR, Config, load_config
 from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, FunctionalModel, RoundInfo
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.experiment import build
 from hafedho.models import build_model, cnn
-from hafedho.sim import engines
-from hafedho.sim.engines import AutoEngine, LoopEngine, RoundWork, auto_choice, loop_engine, make_engine
-from hafedho.sim.process import ProcessEngine, WorkerError, dumps, loads
+from hafedho.sim.engines import base
+from hafedho.sim.engines.base import RoundWork
+from hafedho.sim.engines.loop import LoopEngine, loop_engine
+from hafedho.sim.engines.process import ProcessEngine, WorkerError, dumps, loads
+from hafedho.sim.engines.registry import ENGINES, OPTIONS, AutoEngine, auto_choice, engine_for, make_engine
+from hafedho.sim.engines.vmap import VmapEngine, stack_data
 from hafedho.sim.runner import Divergence, run
 from hafedho.sim.store import ClientStore
-from hafedho.sim.vmap import VmapEngine, VmapUnsupported, stack_data
-
-# Not vmap-safe client updates, by registry name -> reason (none known today; see the report of issue #4).
-VMAP_XFAIL: dict[str, str] = {}
 
 CONTRACT = [
     "rounds=3",
@@ -90,12 +91,7 @@ def contract_cases() -> list[Any]:
     cases = []
     for alg in sorted(REGISTRY):  # the registry grows: every algorithm is checked the moment it is registered
         for engine, option in ENGINE_CASES:
-            marks = (
-                [pytest.mark.xfail(reason=VMAP_XFAIL[alg], strict=True)]
-                if engine == "vmap" and alg in VMAP_XFAIL
-                else []
-            )
-            cases.append(pytest.param(alg, engine, option, id=f"{alg}-{engine}", marks=marks))
+            cases.append(pytest.param(alg, engine, option, id=f"{alg}-{engine}"))
     return cases
 
 
@@ -273,13 +269,36 @@ def test_wire_format_delivers_aligned_tensors() -> None:
 # ----------------------------------------------------------------------------- vmap and auto
 
 
+class BatchNormNet(nn.Module):
+    """Linear, BatchNorm, softplus (smooth: see tests/tolerance.py), Linear; with MOON's ``return_features``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.BatchNorm1d(16), nn.Softplus())
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor, return_features: bool = False) -> Any:
+        z = self.body(x)
+        return (z, self.fc(z)) if return_features else self.fc(z)
+
+
 @pytest.mark.filterwarnings("ignore:BatchNorm layers")
-def test_vmap_refuses_batchnorm_in_one_line() -> None:
-    fed, alg = image_fed(), FedAvg()
-    model = FunctionalModel(nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.BatchNorm1d(16), nn.Linear(16, 10)))
-    with pytest.raises(VmapUnsupported, match="BatchNorm") as err:
-        run_rounds(VmapEngine(device="cpu"), alg, fed, model, rounds=1)
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("alg", sorted(REGISTRY))
+def test_vmap_matches_loop_on_batchnorm(alg: str) -> None:
+    """``FunctionalModel`` makes BatchNorm functorch-safe (batch statistics, no running ones), so under vmap each
+    client normalises with its own batch, as under ``loop``: equal up to float32 rounding."""
+
+    def model() -> FunctionalModel:
+        torch.manual_seed(0)
+        return FunctionalModel(BatchNormNet())
+
+    fed, algo = image_fed(), REGISTRY[alg]()
+    ref_server, ref_store, ref_out = run_rounds(loop_engine, algo, fed, model())
+    server, store, out = run_rounds(VmapEngine(chunk=3, device="cpu"), algo, fed, model())  # a short last chunk
+    bounds = {"reduction": longest_reduction(model().module, fed.preprocess(fed.x_train[:4])), "steps": 2 * (2 + 1)}
+    fp32_close(server, ref_server, **bounds, what="server")
+    fp32_close(store.state_dict(), ref_store.state_dict(), **bounds, what="store")
+    assert out.bytes_up == ref_out.bytes_up and out.metrics.keys() == ref_out.metrics.keys()
 
 
 def test_stack_data_pads_short_clients_with_no_op_steps() -> None:
@@ -294,12 +313,12 @@ def test_stack_data_pads_short_clients_with_no_op_steps() -> None:
 def test_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = FunctionalModel(nn.Linear(4, 2))
     bn = FunctionalModel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
-    monkeypatch.setattr(engines, "available_cores", lambda: 1)
+    monkeypatch.setattr(base, "available_cores", lambda: 1)
     assert auto_choice(plain) == "loop"
-    monkeypatch.setattr(engines, "available_cores", lambda: 8)
+    monkeypatch.setattr(base, "available_cores", lambda: 8)
     assert auto_choice(plain) == "process"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert auto_choice(plain) == "vmap" and auto_choice(bn) == "process"
+    assert auto_choice(plain) == "vmap" and auto_choice(bn) == "vmap"
 
 
 def test_auto_engine_names_its_choice() -> None:
@@ -317,3 +336,30 @@ def test_engine_config_is_validated() -> None:
         load_config(CONFIG_DIR / "smoke.toml", ["workers=-1"])
     with pytest.raises(ValueError, match="engine='gpu'"):
         make_engine("gpu")
+    with pytest.raises(ValueError, match="unknown engine option"):
+        make_engine("loop", chunk=3)
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+def test_config_takes_engine_choices_and_options_from_the_registry() -> None:
+    """A new engine is a module plus an ``ENGINES`` line; its options are declared once, in ``OPTIONS``."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert fields["engine"].metadata["choices"] == tuple(ENGINES)
+    assert all(name in fields["engine"].metadata["help"] for name in ENGINES)
+    hints = typing.get_type_hints(Config)
+    for opt, decl in OPTIONS.items():
+        assert hints[opt] is int and fields[opt].default == decl.default, opt
+        assert fields[opt].metadata["help"] == decl.help and fields[opt].metadata["ge"] == decl.ge, opt
+    assert {opt for spec in ENGINES.values() for opt in spec.options} == set(OPTIONS)  # none declared unused
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_registered_engine_builds_from_a_config(name: str) -> None:
+    cfg = load_config(CONFIG_DIR / "smoke.toml", [f"engine='{name}'", "workers=2", "vmap_chunk=3"])
+    with engine_for(cfg) as eng:
+        assert eng.name == name and callable(eng)
+        for opt, kw in ENGINES[name].options.items():  # each option reaches the engine under its keyword
+            value = getattr(eng, kw, None) if name != "auto" else eng.options[kw]
+            assert value == getattr(cfg, opt), (opt, kw)

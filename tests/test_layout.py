@@ -1,9 +1,11 @@
-"""The import rule of DESIGN.md: core imports nothing else of the package; algorithms import only core, and
-FedAvg's module (algorithms that change only FedAvg's server, FedAvgM and FedLWS, subclass it)."""
+"""The import rules of DESIGN.md: core imports nothing else of the package; algorithms import only core, and
+FedAvg's module (algorithms that change only FedAvg's server, FedAvgM and FedLWS, subclass it); data does not
+import the simulator; engines import only their base; no import cycle anywhere."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,103 @@ def test_flower_deploy_toolkit_is_self_contained(name: str) -> None:
     path = SRC / "flower" / f"{name}.py"
     assert not {m for m in top_level_modules(path) if m.split(".")[0] in ("flwr", "torch")}
     assert all(m in {f"hafedho.flower.{t}" for t in DEPLOY_TOOLKIT} for m in package_imports(path))
+
+
+# ----------------------------------------------------------------------------- the whole package's import graph
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The package's modules that ``path`` imports, at module level or inside functions alike (a lazy import
+    still is a dependency, and a cycle through one fails as soon as the import runs at the wrong moment).
+    ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in MODULES)
+        elif isinstance(node, ast.ImportFrom) and node.module in MODULES:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & MODULES.keys()
+            out.update(subs if len(subs) == len(node.names) else {*subs, node.module})
+    return out - {module_name(path)}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports; a package's ``__init__`` re-exporting its own modules is no edge (Python
+    runs the ``__init__`` before any of its modules, so ``from hafedho.core import tree`` in a core module is
+    no cycle), but any other import from an ``__init__`` is."""
+    from hafedho.sim.engines.registry import ENGINES
+
+    graph = {}
+    for name, path in MODULES.items():
+        own = name + "." if path.name == "__init__.py" else None
+        graph[name] = {m for m in imported_modules(path) if own is None or not m.startswith(own)}
+    registry = "hafedho.sim.engines.registry"  # it imports its engines by module path, on demand: edges too
+    graph[registry] |= {spec.target.partition(":")[0] for spec in ENGINES.values()} - {registry}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None (depth-first search, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return [*path[path.index(n) :], n]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_data_does_not_import_the_simulator() -> None:
+    """Data is below the simulator: it may use core (seeds included), never sim."""
+    graph = import_graph()
+    bad = {m: sorted(i for i in graph[m] if i.startswith("hafedho.sim")) for m in graph if m.startswith("hafedho.data")}
+    assert not any(bad.values()), bad
+
+
+def test_engines_import_only_their_base() -> None:
+    """An engine module imports ``base`` and nothing else of ``sim.engines`` (least of all the registry, which
+    names the engines: that edge is the cycle the registry split removed)."""
+    graph = import_graph()
+    for m in graph:
+        if m.startswith("hafedho.sim.engines.") and m != "hafedho.sim.engines.registry":
+            inside = {i for i in graph[m] if i.startswith("hafedho.sim.engines")}
+            assert inside <= {"hafedho.sim.engines.base"}, (m, inside)
+
+
+def test_every_seed_purpose_is_listed_and_used() -> None:
+    """``seed_for`` refuses a purpose missing from ``PURPOSES``; here, the other way: none listed is unused."""
+    from hafedho.core.seeds import PURPOSES
+
+    used = set()
+    for path in MODULES.values():
+        used.update(re.findall(r"(?:seed_for|rng_for)\([^,()]+, \"(\w+)\"", path.read_text()))
+    assert used == set(PURPOSES), (sorted(used), sorted(PURPOSES))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hafedho.core.algorithm import ConfigError, check_value, hp
+from hafedho.sim.engines.registry import ENGINES, engine_help, option_field
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -80,13 +81,9 @@ class Config:
     rounds: int = hp(100, "T: communication rounds", ge=1)
     eval_every: int = hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
     checkpoint_every: int = hp(10, "checkpoint every k rounds (and at the last)", ge=1)
-    engine: str = hp(
-        "loop",
-        "simulation engine: loop (reference), process (worker pool), vmap (vectorised, GPU), auto (fastest here)",
-        choices=("loop", "process", "vmap", "auto"),
-    )
-    workers: int = hp(0, "process engine workers; 0 = one per core", ge=0)
-    vmap_chunk: int = hp(0, "vmap engine: clients per vectorised call; 0 = the whole cohort", ge=0)
+    engine: str = hp("loop", engine_help(), choices=tuple(ENGINES))  # choices, help and options: the registry's
+    workers: int = option_field("workers")
+    vmap_chunk: int = option_field("vmap_chunk")
     threads: int = hp(
         1,
         "torch intra-op threads of the run (process workers always use 1); 0 = torch's default of one per core, "

@@ -14,12 +14,12 @@ from torch import nn
 from hafedho.algorithms import algorithm_from_table
 from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
 from hafedho.core import FunctionalModel
+from hafedho.core.seeds import seed_for
 from hafedho.data import partition as P
 from hafedho.data.federated import FederatedData, split_local_test
 from hafedho.data.sources import Dataset, load_dataset
 from hafedho.models import build_model
 from hafedho.sim.runner import Experiment
-from hafedho.sim.seeds import seed_for
 
 
 def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from hafedho.core import ClientData, ClientInfo, ConfigError
+from hafedho.core.seeds import rng_for
 from hafedho.data.safe_pickle import DataError
-from hafedho.sim.seeds import rng_for
 
 
 @dataclass(frozen=True)

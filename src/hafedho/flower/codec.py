@@ -46,7 +46,7 @@ def decode(record: ArrayRecord, like: Any) -> Any:
         arr = record.get(_key(i))
         if arr is None:
             raise CodecError(f"record lacks array {_key(i)}")
-        value = torch.tensor(arr.numpy())  # a copy in torch's 64-byte aligned memory (see sim/process.py _tensor)
+        value = torch.tensor(arr.numpy())  # a copy in torch's 64-byte aligned memory (see engines/process.py _tensor)
         if value.dtype != ref.dtype or tuple(value.shape) != tuple(ref.shape):
             raise CodecError(
                 f"array {_key(i)} is {value.dtype}{tuple(value.shape)}, expected {ref.dtype}{tuple(ref.shape)}"

@@ -39,7 +39,8 @@ from hafedho.results import (
     write_json,
 )
 from hafedho.sim import checkpoint
-from hafedho.sim.engines import Engine, RoundWork, make_engine
+from hafedho.sim.engines.base import Engine, RoundWork
+from hafedho.sim.engines.registry import make_engine
 from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.sim.store import ClientStore
 

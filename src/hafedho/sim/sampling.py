@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hafedho.sim.seeds import rng_for
+from hafedho.core.seeds import rng_for
 
 
 def fixed_cohort(seed: int, rnd: int, num_clients: int, m: int) -> np.ndarray:

@@ -46,10 +46,6 @@ class ClientStore:
                 stacked = torch.from_numpy(mm)
             self.leaves.append(stacked)
 
-    @property
-    def empty(self) -> bool:
-        return not self.leaves
-
     def gather(self, cid: int) -> Any:
         return pytree.tree_unflatten([leaf[cid].clone() for leaf in self.leaves], self.spec)
 

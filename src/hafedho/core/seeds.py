@@ -10,11 +10,21 @@ import zlib
 
 import numpy as np
 
-PURPOSES = ("model_init", "cohort", "batches", "client_torch")
+# Every purpose a draw may have, and the parts that follow it: one stream each, so adding a draw never moves another.
+PURPOSES: dict[str, str] = {
+    "model_init": "the initial global model (torch); no parts",
+    "local_test": "the held-out local test split of every client; no parts",
+    "cohort": "round t's cohort; (t,)",
+    "batches": "client i's batches in round t; (t, i)",
+    "client_torch": "client i's torch generator in round t (dropout); (t, i)",
+    "vmap_chunk": "chunk k's torch generator in round t under vmap (dropout); (t, k)",
+}
 
 
 def seed_for(seed: int, purpose: str, *parts: int) -> int:
     """A 63-bit seed derived from ``(seed, purpose, *parts)`` through NumPy's SeedSequence hashing."""
+    if purpose not in PURPOSES:  # a typo would silently give a new, unrelated stream
+        raise ValueError(f"seed purpose {purpose!r} is not listed in hafedho.core.seeds.PURPOSES")
     tag = zlib.crc32(purpose.encode())
     ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, tag, *(int(p) & 0xFFFFFFFF for p in parts)])
     return int(ss.generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))

@@ -8,9 +8,10 @@ aggregator one client at a time, in cohort order, so the float64 sums are the sa
 ``loop``'s. On a GPU the chunk runs there (the aggregate and states come back
 to the CPU); on a CPU it runs in place, for testing (grouped convolutions make it no faster than ``loop``).
 
-Equality with ``loop``: up to float rounding for dropout-free models. Dropout under vmap draws each chunk's
-masks from one generator seeded by (seed, round, chunk), so dropout models train as well but not
-identically to ``loop`` (and results depend on ``vmap_chunk``). Models with BatchNorm are refused.
+Equality with ``loop``: up to float rounding for dropout-free models, BatchNorm included (``FunctionalModel``
+makes it functorch-safe: batch statistics, no running ones, so each client normalises with its own batch as
+under ``loop``). Dropout under vmap draws each chunk's masks from one generator seeded by (seed, round,
+chunk), so dropout models train as well but not identically to ``loop`` (and results depend on ``vmap_chunk``).
 """
 
 from __future__ import annotations
@@ -20,17 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
 from hafedho.core import ClientData, FunctionalModel
-from hafedho.sim.engines import CohortResult, CohortStream, RoundWork, has_batchnorm
-from hafedho.sim.seeds import seed_for
+from hafedho.core.seeds import seed_for
+from hafedho.sim.engines.base import CohortResult, CohortStream, RoundWork
 from hafedho.sim.store import ClientStore
-
-
-class VmapUnsupported(ValueError):
-    """The model cannot be trained under vmap (one line saying why and what to use instead)."""
 
 
 def stack_trees(trees: list[Any]) -> Any:
@@ -100,12 +96,6 @@ class VmapEngine:
         self._model: tuple[int, FunctionalModel] | None = None  # (id of the caller's model, its device copy)
 
     def device_model(self, model: FunctionalModel) -> FunctionalModel:
-        if has_batchnorm(model.module):
-            name = next(n for n, m in model.module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
-            raise VmapUnsupported(
-                f"engine='vmap' does not run models with BatchNorm (found {type(model.module).__name__}.{name}); "
-                "use engine='process' or 'loop', or GroupNorm in the model"
-            )
         if self.device.type == "cpu":
             return model
         if self._model is None or self._model[0] != id(model):

@@ -42,7 +42,7 @@ from torch.func import functional_call
 from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.tree import Params
 from hafedho.data.federated import FederatedData
-from hafedho.sim.engines import CohortResult, CohortStream, RoundWork, available_cores
+from hafedho.sim.engines.base import CohortResult, CohortStream, RoundWork, available_cores
 from hafedho.sim.store import ClientStore
 
 IN_FLIGHT = 2  # clients queued per worker, so a worker never waits for the parent between clients

@@ -1,0 +1,22 @@
+"""Engines run one round's cohort: every client's update, streamed into the algorithm's aggregator.
+
+``loop`` is the reference: a plain Python loop, any ``nn.Module``. Faster engines must agree with it:
+
+* ``process``: the cohort spread over a persistent pool of single-threaded worker processes; same results as
+  ``loop`` up to float rounding, bit-identical for any number of workers.
+* ``vmap``: ``torch.func.vmap`` over chunks of the cohort (on a GPU when there is one); same results as ``loop``
+  up to float rounding for dropout-free models.
+* ``auto``: ``vmap`` on a GPU, ``process`` on a multi-core CPU, ``loop`` otherwise.
+
+Every engine adds the uploads into the aggregator in cohort order, so the float64 sums see the same
+sequence of additions whatever the engine's internal schedule.
+
+"Up to float rounding" means the bound of ``tests/tolerance.py`` (a few eps per operation, growing with the
+reduction length and the number of steps) for smooth models. With ReLU or max pooling, a rounding difference
+can flip a near-tie (one unit of one example), which moves that unit's gradient by O(1) in one step; engines
+then agree in distribution (same accuracy), not to a float bound, and the tests compare smoothed models.
+
+Modules: ``base`` (the ``Engine`` protocol, ``RoundWork``, ``CohortStream``, ``CohortResult``), one module per
+engine (``loop``, ``process``, ``vmap``; each imports only ``base``), and ``registry`` (``ENGINES``,
+``make_engine``, ``auto``), which the config reads for its choices and options. This file imports nothing.
+"""

@@ -1,0 +1,83 @@
+"""What every engine shares: the round's work, the cohort stream that folds results into the aggregator, the
+result, and the ``Engine`` protocol."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hafedho.core import ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
+from hafedho.core.seeds import seed_for
+from hafedho.data.federated import BatchPlan, FederatedData
+from hafedho.sim.store import ClientStore
+
+
+@dataclass
+class CohortResult:
+    aggregate: Any  # the aggregated upload, None if nobody reported
+    metrics: dict[str, float] = field(default_factory=dict)  # cohort means of the clients' metrics
+    bytes_up: int = 0
+
+
+class CohortStream:
+    """Folds clients' results into the aggregator, metric sums and byte count; callers add in cohort order."""
+
+    def __init__(self, alg: FedAlgorithm, size: int) -> None:
+        self.agg = alg.new_aggregator()
+        self.size = size
+        self.sums: dict[str, float] = {}
+        self.like: Any = None
+        self.bytes_up = 0
+
+    def add(self, upload: Any, weight: Any, metrics: dict[str, Any]) -> None:
+        self.agg.add(tree.detach(upload), weight)
+        self.like = upload
+        self.bytes_up += tree.num_bytes(upload)
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+
+    def result(self) -> CohortResult:
+        n = max(self.size, 1)
+        return CohortResult(self.agg.result(self.like), {k: v / n for k, v in self.sums.items()}, self.bytes_up)
+
+
+@dataclass(frozen=True)
+class RoundWork:
+    """What every client of one round needs: the algorithm and its broadcast, the data, the model, the round."""
+
+    alg: FedAlgorithm
+    msg: Any
+    fed: FederatedData
+    plan: BatchPlan
+    model: FunctionalModel
+    rnd: RoundInfo
+    seed: int
+
+    def client_update(self, cid: int, state: Any) -> ClientResult:
+        """Client ``cid``'s update from ``state``, seeded as every engine seeds it (dropout pure in (seed, t, i))."""
+        torch.manual_seed(seed_for(self.seed, "client_torch", self.rnd.round, cid))
+        data = self.fed.client_data(self.seed, self.rnd.round, cid, self.plan, full=self.alg.needs_full_pass)
+        info = self.fed.client_info(cid)
+        return self.alg.client_update(self.msg, state, data, info, self.rnd, self.model)
+
+
+class Engine(Protocol):
+    """A round's cohort runner with the signature of ``loop_engine``; ``close()`` frees workers (idempotent)."""
+
+    name: str
+
+    def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult: ...
+
+    def close(self) -> None: ...
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (the affinity mask, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,37 @@
+"""The ``loop`` engine, the reference: one client after another, any ``nn.Module``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hafedho.sim.engines.base import CohortResult, CohortStream, RoundWork
+from hafedho.sim.store import ClientStore
+
+
+def loop_engine(work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
+    """The reference engine: one client after another, states gathered from and scattered to ``store``."""
+    stream = CohortStream(work.alg, len(cohort))
+    work.model.train()
+    for cid in cohort.tolist():
+        res = work.client_update(cid, store.gather(cid))
+        stream.add(res.upload, res.weight, res.metrics)
+        store.scatter(cid, res.state)
+    return stream.result()
+
+
+class LoopEngine:
+    """``loop_engine`` as an ``Engine`` (nothing to close)."""
+
+    name = "loop"
+
+    def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
+        return loop_engine(work, cohort, store)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> LoopEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
