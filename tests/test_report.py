@@ -13,8 +13,12 @@ import pytest
 from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
 from hafedho.report.build import write_report
-from hafedho.report.runs import Stat, final_value, load_sections, rounds_to
-from hafedho.report.tables import Layout, pct, rounds_tables, section_tables, summary_rows
+from hafedho.report.layout import Layout, pct
+from hafedho.report.runs import load_sections
+from hafedho.report.stats import Stat, final_value, rounds_to
+from hafedho.report.summary import summary_rows
+from hafedho.report.tables import section_tables
+from hafedho.report.tables.rounds import rounds_tables
 
 
 def make_run(

@@ -84,7 +84,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from hafedho.sweep import Outcome, expand, list_presets, load_preset, run_status, run_sweep, write_index
+    from hafedho.sweep.execute import Outcome, run_status, run_sweep
+    from hafedho.sweep.expand import expand
+    from hafedho.sweep.index import write_index
+    from hafedho.sweep.presets import list_presets, load_preset
 
     if args.preset == "list":
         for name in list_presets():

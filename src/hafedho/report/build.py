@@ -11,8 +11,11 @@ from typing import Any
 
 from hafedho.config import ConfigError
 from hafedho.report.html import SectionPage, page
+from hafedho.report.layout import Layout
 from hafedho.report.runs import load_sections
-from hafedho.report.tables import Layout, Table, rounds_rows, section_tables, summary_rows
+from hafedho.report.summary import rounds_rows, summary_rows
+from hafedho.report.table import Table
+from hafedho.report.tables import section_tables
 from hafedho.results import atomic_write_text
 
 

@@ -12,8 +12,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from hafedho.report.runs import Run, accuracy_stat
-from hafedho.report.tables import Layout, display
+from hafedho.report.layout import Layout, display
+from hafedho.report.runs import Run
+from hafedho.report.stats import accuracy_stat
 
 
 def _is_number(v: Any) -> bool:
