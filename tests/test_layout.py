@@ -31,3 +31,15 @@ def test_algorithms_import_only_core(path: Path) -> None:
     allowed = ("hafedho.core", "hafedho.algorithms") if path.name == "__init__.py" else ("hafedho.core",)
     imports = package_imports(path) - {"hafedho.algorithms.fedavg"}  # the one algorithm others may extend
     assert all(m.startswith(allowed) for m in imports), imports
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "report").rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_report_reads_sweeps_only_through_their_index(path: Path) -> None:
+    """The sweep index has one owner (hafedho.sweep.index); the report needs nothing else of the sweep."""
+    sweep = {m for m in package_imports(path) if m.startswith("hafedho.sweep")}
+    assert sweep <= {"hafedho.sweep.index"}, sweep
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "sweep").glob("*.py")), ids=lambda p: p.name)
+def test_sweep_never_imports_the_report(path: Path) -> None:
+    assert not any(m.startswith("hafedho.report") for m in package_imports(path)), package_imports(path)

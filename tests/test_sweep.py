@@ -19,7 +19,7 @@ from hafedho.report.build import write_report
 from hafedho.results import RunLock, read_metrics
 from hafedho.sweep.execute import run_spec, run_status, run_sweep
 from hafedho.sweep.expand import expand
-from hafedho.sweep.index import write_index
+from hafedho.sweep.index import IndexEntry, read_index, write_index
 from hafedho.sweep.presets import SCALES, list_presets, load_preset
 
 PAPER = ["fig2", "fig3", "hetero", "synthetic", "table1", "table2", "table3", "tune"]
@@ -212,6 +212,7 @@ def test_sweep_skips_done_resumes_interrupted_keeps_diverged(tmp_path: Path) -> 
         "point": {"algorithm.name": "fedavg"},
         "reference": False,
     }
+    assert read_index(index).runs[2] == IndexEntry(f0.name, "fedavg", 0, {"algorithm.name": "fedavg"}, False)
     md = write_report(preset.out).markdown.read_text()
     assert "diverged (1/2)" not in md and "| diverged | 1 |" in md
 

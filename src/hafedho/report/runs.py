@@ -27,12 +27,13 @@ from hafedho.config import (
     read_toml,
 )
 from hafedho.results import read_metrics
+from hafedho.sweep.index import find_indexes, read_index, runs_folder
 
 # A centralised plain run (one client holding everything) ignores these keys, so it matches every column.
 _CENTRAL_FREE = ("data.partition", "data.q", "data.num_clients", "data.min_size", "data.partition_seed")
 # The global test metrics; a row with both exactly 0 was measured on no example (cross-entropy is > 0 on any
 # misclassified example), so it is no data, never 0%.
-_TEST = ("test/acc", "test/loss")
+TEST_METRICS = ("test/acc", "test/loss")
 
 
 class FrozenList(tuple):
@@ -85,7 +86,7 @@ class Run:
         return [
             (int(r["round"]), float(r[metric]))
             for r in self.rows
-            if r.get(metric) is not None and not (metric in _TEST and all(r.get(k) == 0 for k in _TEST))
+            if r.get(metric) is not None and not (metric in TEST_METRICS and all(r.get(k) == 0 for k in TEST_METRICS))
         ]
 
     @property
@@ -221,26 +222,24 @@ def _group(runs: list[Run]) -> list[Group]:
 
 
 def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tuple[Section, set[Path]]:
-    index = json.loads(index_path.read_text())
-    base = index_path.parent.parent
-    report = dict(index.get("report", {}))
-    row_axes = set(index.get("row_axes", []))
-    axes = [a for a in index.get("axes", []) if a not in row_axes and not is_runtime(a)]
+    index = read_index(index_path)
+    base = runs_folder(index_path)
+    report = index.report
+    axes = [a for a in index.axes if a not in set(index.row_axes) and not is_runtime(a)]
     runs, used = [], set()
-    for entry in index.get("runs", []):
-        run = read_run(base / entry["dir"])
+    for entry in index.runs:
+        run = read_run(base / entry.dir)
         used.add(run.dir.resolve())
-        run.label, run.reference = entry.get("label", run.label), bool(entry.get("reference", False))
-        run.setting = {k: freeze(v) for k, v in entry.get("point", {}).items() if k in axes}
-        if run.status == "missing" and entry["dir"] in index.get("failed", {}):
-            run.message = index["failed"][entry["dir"]]
+        run.label, run.reference = entry.label if entry.label is not None else run.label, entry.reference
+        run.setting = {k: freeze(v) for k, v in entry.point.items() if k in axes}
+        if run.status == "missing" and entry.dir in index.failed:
+            run.message = index.failed[entry.dir]
         runs.append(run)
-    name = str(index.get("preset", index_path.stem))
-    scale = index.get("scale")
+    name, scale = index.preset, index.scale
     section = Section(
         name=name if not scale else f"{name}-{scale}",
         title=str(report.get("title", name)) + (f" ({scale} scale)" if scale else ""),
-        description=str(index.get("description", "")),
+        description=index.description,
         metric=metric or str(report.get("metric", "test/acc")),
         metric_label=metric or str(report.get("metric_label", "test accuracy")),
         last=last if last is not None else _positive(report.get("last", 10), f"{index_path}: report.last"),
@@ -248,7 +247,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
         axes=axes,
         named_axes={a for a in axes if "." not in a},
         groups=_group(runs),
-        failed=dict(index.get("failed", {})),
+        failed=index.failed,
     )
     return section, used
 
@@ -284,7 +283,7 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
         _positive(last, "--last")
     root = Path(root)
     sections, used = [], set()
-    for index_path in sorted(root.rglob("sweeps/*.json")):
+    for index_path in find_indexes(root):
         section, dirs = _sweep_section(index_path, metric, last)
         sections.append(section)
         used |= dirs

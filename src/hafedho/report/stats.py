@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hafedho.report.runs import _TEST, Group, Section
+from hafedho.report.runs import TEST_METRICS, Group, Section
 
 
 def final_value(evals: list[tuple[int, float]], last: int) -> float:
@@ -75,7 +75,10 @@ def no_data_note(section: Section, show: int = 5) -> str:
     bare = [r for g in section.groups for r in g.finished() if not r.evals(section.metric)]
     if not bare:
         return ""
-    why = [f"{r.dir.name} (empty test set)" if section.metric in _TEST and r.empty_test else r.dir.name for r in bare]
+    why = [
+        f"{r.dir.name} (empty test set)" if section.metric in TEST_METRICS and r.empty_test else r.dir.name
+        for r in bare
+    ]
     more = f" and {len(why) - show} more" if len(why) > show else ""
     return (
         f"no data = finished runs that recorded no {section.metric}, never counted as 0: {', '.join(why[:show])}{more}"

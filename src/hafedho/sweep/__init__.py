@@ -30,4 +30,8 @@ Run directories are ``OUT/LABEL-SOURCE-HASH-sSEED``, the name ``hafedho run`` gi
 engine, workers, threads, checkpoint cadence or ``rounds``), so identical runs of different presets, and a plain
 ``hafedho run`` of the same experiment, share one directory, and a changed experiment never resumes a stale
 run. ``OUT/sweeps/PRESET.json`` lists the runs of the latest sweep of that preset for ``hafedho report``.
+
+Modules, in import order: ``presets`` (read and merge a preset file), ``expand`` (preset -> ``RunSpec`` list),
+``execute`` (run the specs: skip, resume, parallel workers), ``index`` (the sweep index's format, the one module
+of the sweep the report imports).
 """

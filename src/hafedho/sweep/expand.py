@@ -29,15 +29,6 @@ class RunSpec:
     def run_dir(self) -> Path:
         return Path(self.cfg.out) / self.name
 
-    def index_entry(self) -> dict[str, Any]:
-        return {
-            "dir": self.name,
-            "label": self.label,
-            "seed": self.seed,
-            "point": self.point,
-            "reference": self.reference,
-        }
-
 
 def _split_overrides(
     overrides: Iterable[str], grid: dict[str, list[Any]]

@@ -1,6 +1,12 @@
-"""Every table of a section (one module per table)."""
+"""Every table of a section: one module per table kind, and the registry that orders them.
+
+A new table is one module with a builder ``Layout -> list[Table]`` plus one line in ``TABLES``; a preset's
+``[report] tables = [...]`` names the kinds it wants first. The run-status table always comes last.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from hafedho.report.layout import Layout
 from hafedho.report.runs import Section
@@ -10,21 +16,23 @@ from hafedho.report.tables.final import accuracy_tables
 from hafedho.report.tables.rounds import rounds_tables
 from hafedho.report.tables.status import status_table
 
+# kind -> builder, in the default order
+TABLES: dict[str, Callable[[Layout], list[Table]]] = {
+    "final": accuracy_tables,
+    "rounds": rounds_tables,
+    "best_hyper": best_hyper_table,
+}
+
 
 def section_tables(section: Section) -> list[Table]:
     """Every table of a section, in ``[report] tables`` order when the preset gives one."""
     lay = Layout.of(section)
     if not lay.rows:
         return [status_table(section)]
-    builders = {
-        "final": lambda: accuracy_tables(lay),
-        "rounds": lambda: rounds_tables(lay),
-        "best_hyper": lambda: best_hyper_table(lay),
-    }
-    order = list(section.report.get("tables", [])) or ["final", "rounds", "best_hyper"]
-    order += [k for k in builders if k not in order]
+    order = list(section.report.get("tables", [])) or list(TABLES)
+    order += [k for k in TABLES if k not in order]
     out: list[Table] = []
     for key in order:
-        if key in builders:
-            out += builders[key]()
+        if key in TABLES:
+            out += TABLES[key](lay)
     return [*out, status_table(section)]
