@@ -53,6 +53,27 @@ def test_report_command(tmp_path: Path) -> None:
     assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000
 
 
+def test_demo_writes_its_table_and_plot_through_the_main_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hafedho demo`: HaFedHo and FedAvg per seed, then the report's final-accuracy table (printed and in
+    results.md) and accuracy.png in the demo folder; a second call reruns nothing."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--seeds", "1", "--out", str(out), "rounds=2", "eval_every=1"]) == 0
+    printed = capsys.readouterr().out
+    md = (out / "results.md").read_text()
+    assert md.startswith("# Demo: digits, Dirichlet q=0.3, 50 clients, 10% participation\n")
+    header = "| algorithm | seeds | final test accuracy (%, mean of last 10 evals) | best (%) |"
+    assert header in printed and header in md
+    for alg in ("hafedho", "fedavg"):
+        row = next(line for line in printed.splitlines() if line.startswith(f"| {alg} | 1 | "))
+        assert row in md
+    assert (out / "accuracy.png").stat().st_size > 1000 and (out / "report.html").exists()
+    assert f"table: {out / 'results.md'}" in printed and f"plot:  {out / 'accuracy.png'}" in printed
+    assert main(["demo", "--seeds", "1", "--out", str(out), "rounds=2", "eval_every=1"]) == 0
+    assert len(list(out.glob("*-s0"))) == 2
+
+
 def test_output_into_a_closed_pipe_is_quiet() -> None:
     """`hafedho sweep table1 --dry-run | head -1`: once the reader has gone, exit without a traceback."""
     read, write = os.pipe()

@@ -167,3 +167,15 @@ def test_every_seed_purpose_is_listed_and_used() -> None:
     for path in MODULES.values():
         used.update(re.findall(r"(?:seed_for|rng_for)\([^,()]+, \"(\w+)\"", path.read_text()))
     assert used == set(PURPOSES), (sorted(used), sorted(PURPOSES))
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "report").rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_report_reads_sweeps_only_through_their_index(path: Path) -> None:
+    """The sweep index has one owner (hafedho.sweep.index); the report needs nothing else of the sweep."""
+    sweep = {m for m in package_imports(path) if m.startswith("hafedho.sweep")}
+    assert sweep <= {"hafedho.sweep.index"}, sweep
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "sweep").glob("*.py")), ids=lambda p: p.name)
+def test_sweep_never_imports_the_report(path: Path) -> None:
+    assert not any(m.startswith("hafedho.report") for m in package_imports(path)), package_imports(path)

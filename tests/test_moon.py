@@ -38,7 +38,8 @@ from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.moon import MOON, ClientState, model_contrastive_loss
 from hafedho.core import ClientData, ConfigError, FunctionalModel, tree
 from hafedho.models import MLP, build_model
-from hafedho.sweep import expand, list_presets, load_preset
+from hafedho.sweep.expand import expand
+from hafedho.sweep.presets import list_presets, load_preset
 
 TAU = 0.5
 

@@ -13,8 +13,13 @@ import pytest
 from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
 from hafedho.report.build import write_report
-from hafedho.report.runs import Stat, final_value, load_sections, rounds_to
-from hafedho.report.tables import Layout, pct, rounds_tables, section_tables, summary_rows
+from hafedho.report.layout import Layout, pct
+from hafedho.report.runs import load_sections
+from hafedho.report.stats import Stat, final_value, rounds_to
+from hafedho.report.summary import summary_rows
+from hafedho.report.tables import section_tables
+from hafedho.report.tables.rounds import rounds_tables
+from hafedho.sweep.index import IndexEntry, SweepIndex
 
 
 def make_run(
@@ -61,18 +66,10 @@ def make_run(
 
 
 def write_index(root: Path, preset: str, runs: list[dict[str, Any]], report: dict[str, Any], axes: list[str]) -> None:
-    (root / "sweeps").mkdir(exist_ok=True)
-    index = {
-        "preset": preset,
-        "scale": "cpu",
-        "description": "hand-made",
-        "axes": axes,
-        "row_axes": [a for a in axes if a.startswith("algorithm.")],
-        "report": report,
-        "runs": runs,
-        "failed": {},
-    }
-    (root / "sweeps" / f"{preset}.json").write_text(json.dumps(index))
+    """A sweep index in the format `hafedho sweep` writes (hafedho.sweep.index, its one owner)."""
+    row_axes = [a for a in axes if a.startswith("algorithm.")]
+    entries = [IndexEntry(**r) for r in runs]
+    SweepIndex(preset, "cpu", "hand-made", axes, row_axes, report, entries).write(root)
 
 
 def test_statistics_by_hand() -> None:

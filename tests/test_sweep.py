@@ -17,16 +17,10 @@ from hafedho.config import CONFIG_DIR, ConfigError, dump_toml, load_config
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
 from hafedho.results import RunLock, read_metrics
-from hafedho.sweep import (
-    SCALES,
-    expand,
-    list_presets,
-    load_preset,
-    run_spec,
-    run_status,
-    run_sweep,
-    write_index,
-)
+from hafedho.sweep.execute import run_spec, run_status, run_sweep
+from hafedho.sweep.expand import expand
+from hafedho.sweep.index import IndexEntry, read_index, write_index
+from hafedho.sweep.presets import SCALES, list_presets, load_preset
 
 PAPER = ["fig2", "fig3", "hetero", "synthetic", "table1", "table2", "table3", "tune"]
 
@@ -218,6 +212,7 @@ def test_sweep_skips_done_resumes_interrupted_keeps_diverged(tmp_path: Path) -> 
         "point": {"algorithm.name": "fedavg"},
         "reference": False,
     }
+    assert read_index(index).runs[2] == IndexEntry(f0.name, "fedavg", 0, {"algorithm.name": "fedavg"}, False)
     md = write_report(preset.out).markdown.read_text()
     assert "diverged (1/2)" not in md and "| diverged | 1 |" in md
 
@@ -246,7 +241,7 @@ def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
     script.write_text(
         "import multiprocessing, os, time\n"
         "from concurrent.futures import ProcessPoolExecutor\n"
-        "from hafedho.sweep import _init_worker\n"
+        "from hafedho.sweep.execute import _init_worker\n"
         "if __name__ == '__main__':\n"
         "    ctx = multiprocessing.get_context('spawn')\n"
         "    ex = ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker, initargs=(1, os.getpid()))\n"

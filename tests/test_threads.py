@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from hafedho import sweep
 from hafedho.config import CONFIG_DIR, RUNTIME_KEYS, Config, load_config
 from hafedho.core import ConfigError
 from hafedho.experiment import build
 from hafedho.sim import runner
+from hafedho.sweep import execute as sweep
 
 
 @pytest.fixture

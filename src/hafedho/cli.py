@@ -50,8 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from hafedho.report.plots import accuracy_curves
-    from hafedho.report.tables import accuracy_table, load_runs
+    from hafedho.report.build import write_report
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds {args.seeds}: need at least 1")
@@ -65,13 +64,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if (run_dir / "done").exists():
                 continue
             run_one(cfg, resume=run_dir.exists())
-    runs = load_runs(out)
-    table = accuracy_table(runs)
     title = "digits, Dirichlet q=0.3, 50 clients, 10% participation"
-    (out / "results.md").write_text(f"# Demo: {title}\n\n{table}\n![accuracy](accuracy.png)\n")
-    png = accuracy_curves(runs, out / "accuracy.png", title=title)
-    print(table)
-    print(f"table: {out / 'results.md'}\nplot:  {png}")
+    files = write_report(out, title=f"Demo: {title}")  # the main report: results.md, accuracy.png, report.html
+    final = files.pages[-1].tables[0]  # the demo's runs are plain runs: the last section; its first table is final
+    print(final.markdown())
+    plot = next((f for f in files.figures if f.name.endswith("accuracy.png")), None)
+    print(f"table: {files.markdown}\nplot:  {plot}\npage:  {files.html}")
     return 0
 
 
@@ -86,7 +84,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from hafedho.sweep import Outcome, expand, list_presets, load_preset, run_status, run_sweep, write_index
+    from hafedho.sweep.execute import Outcome, run_status, run_sweep
+    from hafedho.sweep.expand import expand
+    from hafedho.sweep.index import write_index
+    from hafedho.sweep.presets import list_presets, load_preset
 
     if args.preset == "list":
         for name in list_presets():

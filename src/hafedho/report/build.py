@@ -11,8 +11,11 @@ from typing import Any
 
 from hafedho.config import ConfigError
 from hafedho.report.html import SectionPage, page
+from hafedho.report.layout import Layout
 from hafedho.report.runs import load_sections
-from hafedho.report.tables import Layout, Table, rounds_rows, section_tables, summary_rows
+from hafedho.report.summary import rounds_rows, summary_rows
+from hafedho.report.table import Table
+from hafedho.report.tables import section_tables
 from hafedho.results import atomic_write_text
 
 
@@ -23,6 +26,7 @@ class ReportFiles:
     tables: list[Path] = field(default_factory=list)
     figures: list[Path] = field(default_factory=list)
     text: str = ""
+    pages: list[SectionPage] = field(default_factory=list)  # each section's tables and figures, in order
 
 
 def _csv(rows: list[dict[str, Any]]) -> str:
@@ -36,10 +40,15 @@ def _csv(rows: list[dict[str, Any]]) -> str:
 
 
 def write_report(
-    runs_dir: str | Path, out: str | Path | None = None, metric: str | None = None, last: int | None = None
+    runs_dir: str | Path,
+    out: str | Path | None = None,
+    metric: str | None = None,
+    last: int | None = None,
+    title: str | None = None,
 ) -> ReportFiles:
     """Write results.md, report.html, summary.csv, rounds_to_target.csv, each table as .csv and .tex, and the
-    PNG figures into ``out`` (default: ``runs_dir``). With several sections, file names start with the section."""
+    PNG figures into ``out`` (default: ``runs_dir``). With several sections, file names start with the section.
+    ``title`` heads the page (default: ``Results from `RUNS_DIR` ``)."""
     from hafedho.report.plots import section_plots  # matplotlib only when figures are drawn
 
     sections = load_sections(runs_dir, metric, last)
@@ -47,7 +56,7 @@ def write_report(
         raise ConfigError(f"{runs_dir}: no run directories with metrics and no sweep index (sweeps/*.json) found")
     out = Path(out or runs_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = [f"# Results from `{runs_dir}`\n"]
+    md = [f"# {title or f'Results from `{runs_dir}`'}\n"]
     pages, tables_written, figures = [], [], []
     summary, rounds = [], []
     for section in sections:
@@ -77,5 +86,5 @@ def write_report(
             atomic_write_text(out / name, _csv(rows))
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
     html_path = out / "report.html"
-    atomic_write_text(html_path, page("hafedho report", pages, f"{runs_dir}, generated {stamp}"))
-    return ReportFiles(out / "results.md", html_path, tables_written, figures, text)
+    atomic_write_text(html_path, page(title or "hafedho report", pages, f"{runs_dir}, generated {stamp}"))
+    return ReportFiles(out / "results.md", html_path, tables_written, figures, text, pages)

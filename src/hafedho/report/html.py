@@ -7,7 +7,7 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hafedho.report.tables import Table
+from hafedho.report.table import Table
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }

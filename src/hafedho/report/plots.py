@@ -1,8 +1,7 @@
-"""Accuracy-per-round plots with a band over seeds."""
+"""A section's figures: metric per round with a band over seeds; final metric vs settings and hyperparameters."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -13,35 +12,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from hafedho.report.runs import Run, accuracy_stat
-from hafedho.report.tables import Layout, display
-
-
-def accuracy_curves(runs: list[dict[str, Any]], out: str | Path, title: str = "") -> Path:
-    """One line per algorithm (mean over seeds) with a ±1 std band; rounds aligned across seeds."""
-    curves: dict[str, list[dict[int, float]]] = defaultdict(list)
-    for run in runs:
-        curves[run["config"]["algorithm"]["name"]].append({r["round"]: r["test/acc"] for r in run["evals"]})
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for name, seeds in sorted(curves.items()):
-        rounds = sorted(set.intersection(*(set(s) for s in seeds)))
-        acc = np.array([[s[r] for r in rounds] for s in seeds]) * 100
-        mean, std = acc.mean(0), acc.std(0)
-        ax.plot(rounds, mean, label=f"{name} ({len(seeds)} seeds)")
-        ax.fill_between(rounds, mean - std, mean + std, alpha=0.2)
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
-
-
-# ----------------------------------------------------------------------------- paper figures from sections
+from hafedho.report.layout import Layout, display
+from hafedho.report.runs import Run
+from hafedho.report.stats import accuracy_stat
 
 
 def _is_number(v: Any) -> bool:

@@ -14,12 +14,9 @@ List- and table-valued settings are kept frozen (``FrozenList``, ``FrozenTable``
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from hafedho.config import (
     RUNTIME_KEYS,
@@ -30,12 +27,13 @@ from hafedho.config import (
     read_toml,
 )
 from hafedho.results import read_metrics
+from hafedho.sweep.index import find_indexes, read_index, runs_folder
 
 # A centralised plain run (one client holding everything) ignores these keys, so it matches every column.
 _CENTRAL_FREE = ("data.partition", "data.q", "data.num_clients", "data.min_size", "data.partition_seed")
 # The global test metrics; a row with both exactly 0 was measured on no example (cross-entropy is > 0 on any
 # misclassified example), so it is no data, never 0%.
-_TEST = ("test/acc", "test/loss")
+TEST_METRICS = ("test/acc", "test/loss")
 
 
 class FrozenList(tuple):
@@ -88,7 +86,7 @@ class Run:
         return [
             (int(r["round"]), float(r[metric]))
             for r in self.rows
-            if r.get(metric) is not None and not (metric in _TEST and all(r.get(k) == 0 for k in _TEST))
+            if r.get(metric) is not None and not (metric in TEST_METRICS and all(r.get(k) == 0 for k in TEST_METRICS))
         ]
 
     @property
@@ -224,26 +222,24 @@ def _group(runs: list[Run]) -> list[Group]:
 
 
 def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tuple[Section, set[Path]]:
-    index = json.loads(index_path.read_text())
-    base = index_path.parent.parent
-    report = dict(index.get("report", {}))
-    row_axes = set(index.get("row_axes", []))
-    axes = [a for a in index.get("axes", []) if a not in row_axes and not is_runtime(a)]
+    index = read_index(index_path)
+    base = runs_folder(index_path)
+    report = index.report
+    axes = [a for a in index.axes if a not in set(index.row_axes) and not is_runtime(a)]
     runs, used = [], set()
-    for entry in index.get("runs", []):
-        run = read_run(base / entry["dir"])
+    for entry in index.runs:
+        run = read_run(base / entry.dir)
         used.add(run.dir.resolve())
-        run.label, run.reference = entry.get("label", run.label), bool(entry.get("reference", False))
-        run.setting = {k: freeze(v) for k, v in entry.get("point", {}).items() if k in axes}
-        if run.status == "missing" and entry["dir"] in index.get("failed", {}):
-            run.message = index["failed"][entry["dir"]]
+        run.label, run.reference = entry.label if entry.label is not None else run.label, entry.reference
+        run.setting = {k: freeze(v) for k, v in entry.point.items() if k in axes}
+        if run.status == "missing" and entry.dir in index.failed:
+            run.message = index.failed[entry.dir]
         runs.append(run)
-    name = str(index.get("preset", index_path.stem))
-    scale = index.get("scale")
+    name, scale = index.preset, index.scale
     section = Section(
         name=name if not scale else f"{name}-{scale}",
         title=str(report.get("title", name)) + (f" ({scale} scale)" if scale else ""),
-        description=str(index.get("description", "")),
+        description=index.description,
         metric=metric or str(report.get("metric", "test/acc")),
         metric_label=metric or str(report.get("metric_label", "test accuracy")),
         last=last if last is not None else _positive(report.get("last", 10), f"{index_path}: report.last"),
@@ -251,7 +247,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
         axes=axes,
         named_axes={a for a in axes if "." not in a},
         groups=_group(runs),
-        failed=dict(index.get("failed", {})),
+        failed=index.failed,
     )
     return section, used
 
@@ -287,7 +283,7 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
         _positive(last, "--last")
     root = Path(root)
     sections, used = [], set()
-    for index_path in sorted(root.rglob("sweeps/*.json")):
+    for index_path in find_indexes(root):
         section, dirs = _sweep_section(index_path, metric, last)
         sections.append(section)
         used |= dirs
@@ -311,86 +307,3 @@ def _positive(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{what} {value}: must be at least 1 (final = mean of the last N evaluations)")
     return value
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-def final_value(evals: list[tuple[int, float]], last: int) -> float:
-    """Mean of the last ``last`` evaluations (smooths round-to-round noise)."""
-    return float(np.mean([v for _, v in evals[-last:]]))
-
-
-def best_value(evals: list[tuple[int, float]]) -> float:
-    return float(max(v for _, v in evals))
-
-
-def rounds_to(evals: list[tuple[int, float]], target: float) -> int | None:
-    """First evaluated round whose value reaches ``target``; None if it never does."""
-    return next((r for r, v in evals if v >= target), None)
-
-
-@dataclass
-class Stat:
-    """mean ± std (ddof 1) over the seeds that count, and how many of how many."""
-
-    values: list[float]
-    total: int
-    diverged: int = 0
-    missing: int = 0  # finished runs that recorded no value of the metric (never counted as 0)
-
-    @property
-    def n(self) -> int:
-        return len(self.values)
-
-    @property
-    def mean(self) -> float:
-        return float(np.mean(self.values)) if self.values else math.nan
-
-    @property
-    def std(self) -> float:
-        return float(np.std(self.values, ddof=1)) if len(self.values) > 1 else 0.0
-
-
-def accuracy_stat(group: Group, metric: str, last: int, kind: str = "final") -> Stat:
-    """Final (or best) value over finished seeds; diverged seeds and finished ones without the metric are
-    counted, never averaged."""
-    values, missing = [], 0
-    for run in group.finished():
-        evals = run.evals(metric)
-        if evals:
-            values.append(final_value(evals, last) if kind == "final" else best_value(evals))
-        else:
-            missing += 1
-    return Stat(values, len(group.runs), len(group.diverged()), missing)
-
-
-def horizon_note(section: Section) -> str:
-    """Groups whose finished seeds ran different numbers of rounds (``rounds`` is a horizon, not an axis)."""
-    parts = []
-    for g in section.groups:
-        lengths = sorted({int(r.config.get("rounds", 0)) for r in g.finished()})
-        if len(lengths) > 1:
-            parts.append(f"{g.label} {', '.join(map(str, lengths))}")
-    return f"seeds of different lengths pooled (rounds): {'; '.join(parts)}" if parts else ""
-
-
-def no_data_note(section: Section, show: int = 5) -> str:
-    """``"no data = finished runs that recorded no test/acc, never counted as 0: A (empty test set), B"``, the
-    first ``show`` of them by name ('' if every finished run recorded it)."""
-    bare = [r for g in section.groups for r in g.finished() if not r.evals(section.metric)]
-    if not bare:
-        return ""
-    why = [f"{r.dir.name} (empty test set)" if section.metric in _TEST and r.empty_test else r.dir.name for r in bare]
-    more = f" and {len(why) - show} more" if len(why) > show else ""
-    return (
-        f"no data = finished runs that recorded no {section.metric}, never counted as 0: {', '.join(why[:show])}{more}"
-    )
-
-
-def rounds_stat(group: Group, metric: str, target: float) -> Stat:
-    """Rounds to ``target`` over seeds that ended (finished or diverged); seeds never reaching it are excluded
-    from the mean and counted in ``total``."""
-    ended = [r for r in group.ended() if r.evals(metric)]
-    hits = [rounds_to(r.evals(metric), target) for r in ended]
-    return Stat([float(h) for h in hits if h is not None], len(ended), len(group.diverged()))

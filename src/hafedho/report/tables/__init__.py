@@ -1,0 +1,38 @@
+"""Every table of a section: one module per table kind, and the registry that orders them.
+
+A new table is one module with a builder ``Layout -> list[Table]`` plus one line in ``TABLES``; a preset's
+``[report] tables = [...]`` names the kinds it wants first. The run-status table always comes last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hafedho.report.layout import Layout
+from hafedho.report.runs import Section
+from hafedho.report.table import Table
+from hafedho.report.tables.best_hyper import best_hyper_table
+from hafedho.report.tables.final import accuracy_tables
+from hafedho.report.tables.rounds import rounds_tables
+from hafedho.report.tables.status import status_table
+
+# kind -> builder, in the default order
+TABLES: dict[str, Callable[[Layout], list[Table]]] = {
+    "final": accuracy_tables,
+    "rounds": rounds_tables,
+    "best_hyper": best_hyper_table,
+}
+
+
+def section_tables(section: Section) -> list[Table]:
+    """Every table of a section, in ``[report] tables`` order when the preset gives one."""
+    lay = Layout.of(section)
+    if not lay.rows:
+        return [status_table(section)]
+    order = list(section.report.get("tables", [])) or list(TABLES)
+    order += [k for k in TABLES if k not in order]
+    out: list[Table] = []
+    for key in order:
+        if key in TABLES:
+            out += TABLES[key](lay)
+    return [*out, status_table(section)]

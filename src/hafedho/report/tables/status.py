@@ -1,0 +1,18 @@
+"""The run-status table: how many runs are done, diverged, incomplete or not started."""
+
+from __future__ import annotations
+
+from hafedho.report.runs import Section
+from hafedho.report.table import Cell, Table
+
+
+def status_table(section: Section) -> Table:
+    """How many runs are done, diverged, incomplete or not started; diverged and failed runs by name."""
+    runs = [r for g in section.groups for r in g.runs]
+    counts = {k: sum(r.status == k for r in runs) for k in ("done", "diverged", "incomplete", "missing")}
+    rows = [[Cell(k if k != "missing" else "not started"), Cell(str(v))] for k, v in counts.items() if v]
+    if section.failed:
+        rows.append([Cell("failed (last sweep)"), Cell(str(len(section.failed)))])
+    details = [f"{r.dir.name}: {r.message}" for r in runs if r.status == "diverged"]
+    details += [f"{name}: failed: {msg}" for name, msg in section.failed.items()]
+    return Table("status", "Run status", ["status", "runs"], rows, "\n".join(details))

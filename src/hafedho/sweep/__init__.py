@@ -1,0 +1,37 @@
+"""Experiment presets and multi-seed sweeps: expand a preset into run configs, run the missing ones in parallel.
+
+A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
+
+    extends = "_common"          # optional: a preset in the same folder, deep-merged under this one
+    description = "..."
+    seeds = 3                    # default for --seeds (seeds 0..n-1)
+    out = "runs/paper"           # sweep folder; "-SCALE" is appended (runs/paper-cpu)
+    [base]                       # an ordinary hafedho config; dotted keys are allowed anywhere
+    [grid]                       # axis -> values; one run per point of the cartesian product and seed
+    "data.q" = [0.1, 0.3]        #   a config key, or
+    dataset = ["femnist"]        #   a named axis: each value selects the overrides in [bundles.dataset.VALUE]
+    [bundles.dataset.femnist]    # overrides for one value of a named axis
+    [[variants]]                 # labelled extra points, e.g. the centralised baseline:
+    label = "centralized"        #   its row label in reports
+    cross = ["dataset"]          #   grid axes it is crossed with (the others do not apply to it)
+    reference = true             #   shown, but never bold and never a competitor
+    set = {...}                  #   its overrides
+    [report]                     # how `hafedho report` shows it (metric, last, targets, names, title)
+    [scale.cpu] / [scale.full]   # a partial preset merged over this one for --scale (cpu is the default);
+                                 # its [grid] replaces the axes it names
+
+One run's config: base < named-axis bundles < config-key axes < variant ``set`` < command-line overrides;
+then ``seed``, ``name`` and ``out`` are set, and only the selected algorithm's ``[algorithm.NAME]`` table is kept
+(``hafedho.algorithms.applicable``; the others never apply to the run).
+
+Run directories are ``OUT/LABEL-SOURCE-HASH-sSEED``, the name ``hafedho run`` gives (``Config.run_name`` with
+``name = LABEL-SOURCE``; LABEL is the algorithm, or a variant's label): HASH is the experiment's identity
+(``hafedho.config.experiment_hash``: data, partition, clients, sampling, model, resolved algorithm; never the
+engine, workers, threads, checkpoint cadence or ``rounds``), so identical runs of different presets, and a plain
+``hafedho run`` of the same experiment, share one directory, and a changed experiment never resumes a stale
+run. ``OUT/sweeps/PRESET.json`` lists the runs of the latest sweep of that preset for ``hafedho report``.
+
+Modules, in import order: ``presets`` (read and merge a preset file), ``expand`` (preset -> ``RunSpec`` list),
+``execute`` (run the specs: skip, resume, parallel workers), ``index`` (the sweep index's format, the one module
+of the sweep the report imports).
+"""

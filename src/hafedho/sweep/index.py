@@ -1,0 +1,106 @@
+"""The sweep index ``OUT/sweeps/PRESET.json``: the runs of a preset's latest sweep, for ``hafedho report``.
+
+This module is the one owner of the format: ``hafedho sweep`` writes it (``write_index``), the report reads it
+(``read_index``, ``find_indexes``). An index names each run's directory (relative to the folder that holds
+``sweeps/``), its row label, grid point, seed and whether it is a reference, plus the preset's axes, the axes that
+are rows, its ``[report]`` settings and the runs that failed in the latest sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hafedho.results import write_json
+from hafedho.sweep.presets import Preset, row_axes
+
+if TYPE_CHECKING:  # a type only: the report reads indexes without loading the expansion
+    from hafedho.sweep.expand import RunSpec
+
+INDEX_DIR = "sweeps"
+
+
+@dataclass
+class IndexEntry:
+    """One run of a sweep; ``label`` None (a hand-made index) means the run's algorithm."""
+
+    dir: str
+    label: str | None = None
+    seed: int | None = None
+    point: dict[str, Any] = field(default_factory=dict)
+    reference: bool = False
+
+
+@dataclass
+class SweepIndex:
+    preset: str
+    scale: str | None = None
+    description: str = ""
+    axes: list[str] = field(default_factory=list)
+    row_axes: list[str] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)
+    runs: list[IndexEntry] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # run directory name -> its one-line failure
+
+    def write(self, out: str | Path) -> Path:
+        """Write ``OUT/sweeps/PRESET.json`` (atomically) and return its path."""
+        path = index_path(out, self.preset)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, dataclasses.asdict(self))
+        return path
+
+
+def index_path(out: str | Path, preset: str) -> Path:
+    return Path(out) / INDEX_DIR / f"{preset}.json"
+
+
+def find_indexes(root: str | Path) -> list[Path]:
+    """Every sweep index under ``root``, at any depth, in path order."""
+    return sorted(Path(root).rglob(f"{INDEX_DIR}/*.json"))
+
+
+def runs_folder(path: Path) -> Path:
+    """The folder an index's run directories are relative to: the one holding its ``sweeps/``."""
+    return path.parent.parent
+
+
+def read_index(path: Path) -> SweepIndex:
+    """An index file; missing keys take their defaults (the preset's name is then the file's)."""
+    data = json.loads(path.read_text())
+    return SweepIndex(
+        preset=str(data.get("preset", path.stem)),
+        scale=data.get("scale"),
+        description=str(data.get("description", "")),
+        axes=list(data.get("axes", [])),
+        row_axes=list(data.get("row_axes", [])),
+        report=dict(data.get("report", {})),
+        runs=[
+            IndexEntry(
+                dir=e["dir"],
+                label=e.get("label"),
+                seed=e.get("seed"),
+                point=dict(e.get("point", {})),
+                reference=bool(e.get("reference", False)),
+            )
+            for e in data.get("runs", [])
+        ],
+        failed=dict(data.get("failed", {})),
+    )
+
+
+def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: dict[str, str] | None = None) -> Path:
+    """``OUT/sweeps/PRESET.json``: the preset's runs (label, grid point, seed) and report settings."""
+    index = SweepIndex(
+        preset=preset.name,
+        scale=preset.scale,
+        description=preset.description,
+        axes=list(preset.grid),
+        row_axes=row_axes(preset),
+        report=preset.report,
+        runs=[IndexEntry(s.name, s.label, s.seed, s.point, s.reference) for s in specs],
+        failed=failed or {},
+    )
+    return index.write(out)

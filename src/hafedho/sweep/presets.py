@@ -1,0 +1,155 @@
+"""Presets: read a preset file (with what it extends), merge its ``[scale.SCALE]`` table, name its axes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hafedho.config import CONFIG_DIR, Config, ConfigError, read_toml
+
+PRESET_DIR = CONFIG_DIR / "paper"
+SCALES = ("cpu", "full")
+_KEYS = {"extends", "description", "seeds", "out", "base", "grid", "bundles", "variants", "report", "scale"}
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+@dataclass
+class Preset:
+    """A preset resolved for one scale (``extends`` and ``[scale.SCALE]`` already merged)."""
+
+    name: str
+    scale: str
+    path: Path
+    table: dict[str, Any]
+
+    @property
+    def description(self) -> str:
+        return str(self.table.get("description", ""))
+
+    @property
+    def seeds(self) -> int:
+        return int(self.table.get("seeds", 3))
+
+    @property
+    def out(self) -> str:
+        return f"{self.table.get('out', f'runs/{self.name}')}-{self.scale}"
+
+    @property
+    def grid(self) -> dict[str, list[Any]]:
+        return self.table.get("grid", {})
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return self.table.get("report", {})
+
+
+def list_presets(folder: Path = PRESET_DIR) -> list[str]:
+    """Names of the runnable presets in ``folder`` (files starting with ``_`` are shared parts)."""
+    return sorted(p.stem for p in folder.glob("*.toml") if not p.stem.startswith("_"))
+
+
+def preset_path(name: str) -> Path:
+    """A preset file: a path, or the name of a packaged preset (``table1``)."""
+    p = Path(name)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"preset file not found: {p}")
+        return p
+    if (PRESET_DIR / f"{name}.toml").is_file():
+        return PRESET_DIR / f"{name}.toml"
+    raise ConfigError(f"unknown preset {name!r}; packaged presets: {', '.join(list_presets())}, or pass a .toml file")
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` over ``base``; tables merge key by key, anything else is replaced."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def nest(table: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys to nested tables, at every level: ``{"data.q": 0.1}`` -> ``{"data": {"q": 0.1}}``."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        value = nest(value) if isinstance(value, dict) else value
+        for part in reversed(key.split(".")[1:]):
+            value = {part: value}
+        out = deep_merge(out, {key.split(".")[0]: value})
+    return out
+
+
+def _read_preset(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'extends' forms a cycle")
+    table = read_toml(path)
+    unknown = sorted(set(table) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown preset key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_KEYS))}")
+    table = _normalize(table)
+    for name, over in table.get("scale", {}).items():
+        if name not in SCALES or not isinstance(over, dict):
+            raise ConfigError(f"{path}: [scale.{name}]: scales are {', '.join(SCALES)}")
+        table["scale"][name] = _normalize(over)
+    parent = table.pop("extends", None)
+    if parent is None:
+        return table
+    ppath = path.parent / (parent if parent.endswith(".toml") else f"{parent}.toml")
+    base = _read_preset(ppath, (*seen, path.resolve()))
+    base.pop("grid", None)  # a grid is never inherited: each preset states its own
+    return deep_merge(base, table)
+
+
+def _normalize(table: dict[str, Any]) -> dict[str, Any]:
+    """Nest the dotted keys of config-shaped parts (base, bundles, variant sets) so merges are per key."""
+    table = dict(table)
+    if "base" in table:
+        table["base"] = nest(table["base"])
+    table["bundles"] = {
+        axis: {value: nest(t) for value, t in values.items()} for axis, values in table.get("bundles", {}).items()
+    }
+    table["variants"] = [{**v, "set": nest(v.get("set", {}))} for v in table.get("variants", [])]
+    if not table["variants"]:
+        del table["variants"]  # an absent list must not replace an inherited one
+    if not table["bundles"]:
+        del table["bundles"]
+    return table
+
+
+def load_preset(name: str, scale: str = "cpu") -> Preset:
+    """Read a preset (with what it extends) and merge its ``[scale.SCALE]`` table over it."""
+    if scale not in SCALES:
+        raise ConfigError(f"--scale {scale!r}: choose one of {', '.join(SCALES)}")
+    path = preset_path(name)
+    table = _read_preset(path)
+    over = dict(table.pop("scale", {}).get(scale, {}))
+    unknown = sorted(set(over) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: [scale.{scale}] has unknown key(s) {', '.join(unknown)}")
+    grid = dict(table.get("grid", {}))
+    for axis, values in over.pop("grid", {}).items():
+        if axis not in grid:
+            raise ConfigError(f"{path}: [scale.{scale}.grid] names {axis!r}, which is not an axis of [grid]")
+        grid[axis] = values
+    table = deep_merge(table, over)
+    table["grid"] = grid
+    for axis, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{path}: grid.{axis} must be a non-empty list of values")
+    return Preset(path.stem, scale, path, table)
+
+
+def is_config_key(axis: str) -> bool:
+    return axis.split(".")[0] in _CONFIG_FIELDS
+
+
+def row_axes(preset: Preset) -> list[str]:
+    """Axes that pick an algorithm or its hyperparameters (rows of a report); the others are settings (columns)."""
+    bundles = preset.table.get("bundles", {})
+
+    def only_algorithm(axis: str) -> bool:
+        return all(set(t) <= {"algorithm"} for t in bundles.get(axis, {}).values())
+
+    return [a for a in preset.grid if a.startswith("algorithm.") or (not is_config_key(a) and only_algorithm(a))]
