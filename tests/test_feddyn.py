@@ -39,7 +39,7 @@ import torch
 from quadratic import MODEL, SIZES, client_data, close, info, rnd, rounds, w
 from torch.func import grad
 
-from hafedho.algorithms.feddyn import FedDyn, ServerState, Upload, clip_by_global_norm
+from hafedho.algorithms.feddyn import Broadcast, ClientState, FedDyn, ServerState, Upload, clip_by_global_norm
 from hafedho.core import ConfigError
 
 A = {**quadratic.A, 4: (2.0, 2.0)}
@@ -75,7 +75,7 @@ def test_objective_gradient_has_both_penalty_terms() -> None:
     grad phi = (w - a) - grad L + alpha (w - theta) = (1, -1) - (0.2, -0.4) + 0.5 (0.5, 1) = (1.05, -0.1);
     phi = 1/2 ||(1, -1)||^2 - <(0.2, -0.4), (1, 1)> + 0.25 ||(0.5, 1)||^2 = 1 + 0.2 + 0.3125 = 1.5125."""
     alg = FedDyn(alpha=0.5)
-    phi = alg.objective(MODEL, w(0.5, 0.0), w(0.2, -0.4), torch.tensor(0.5))
+    phi = alg.objective(MODEL, Broadcast(w(0.5, 0.0)), ClientState(w(0.2, -0.4)), info(0.25), rnd(1, 1))
     d = client_data(A[2], 1)
     g = grad(lambda p: phi(p, d.x[0], d.y[0], d.mask[0])[0])(w(1.0, 1.0))
     assert close(g, [1.05, -0.1])
