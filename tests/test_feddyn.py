@@ -40,7 +40,6 @@ from quadratic import MODEL, SIZES, client_data, close, info, rnd, rounds, w
 from torch.func import grad
 
 from hafedho.algorithms.feddyn import Broadcast, ClientState, FedDyn, ServerState, Upload, clip_by_global_norm
-from hafedho.core import ConfigError
 
 A = {**quadratic.A, 4: (2.0, 2.0)}
 N = 4
@@ -145,19 +144,3 @@ def test_empty_round_keeps_server_state() -> None:
     alg = FedDyn()
     s = alg.init_server(w(1.0, 2.0))
     assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
-@pytest.mark.parametrize(
-    ("settings", "message"),
-    [
-        ({"alpha": 0.0}, "algorithm.alpha=0.0: must be > 0"),
-        ({"alpha_scaling": "size"}, "algorithm.alpha_scaling='size': choose one of 'none', 'data_size'"),
-        ({"max_grad_norm": -1.0}, "algorithm.max_grad_norm=-1.0: must be > 0"),
-        ({"max_grad_norm": "10"}, "algorithm.max_grad_norm='10': expected float, got str"),
-        ({"mu": 1.0}, "algorithm.mu: unknown setting for feddyn; valid: alpha, alpha_scaling, lr, max_grad_norm"),
-    ],
-)
-def test_bad_hyperparameters(settings: dict, message: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        FedDyn.from_config(settings)
-    assert str(err.value) == message

@@ -1,5 +1,5 @@
 """The import rule of DESIGN.md: core imports nothing else of the package; algorithms import only core, and
-FedAvg's module (algorithms that change only FedAvg's server, FedAvgM and FedLWS, subclass it)."""
+FedAvg's module (the base class the other algorithms subclass)."""
 
 from __future__ import annotations
 
