@@ -125,9 +125,9 @@ class FedDyn(FedAvg):
 
     def transform(self, msg: Broadcast, state: ClientState, info: ClientInfo, rnd: RoundInfo) -> Transform:
         """FedAvg's SGD, on the gradient clipped to ``max_grad_norm`` when that is set."""
-        return (
-            sgd(self.lr) if self.max_grad_norm is None else chain(clip_by_global_norm(self.max_grad_norm), sgd(self.lr))
-        )
+        if self.max_grad_norm is None:
+            return sgd(self.lr)
+        return chain(clip_by_global_norm(self.max_grad_norm), sgd(self.lr))
 
     def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
         return {"train/loss": res.loss, "train/objective": res.objective}
