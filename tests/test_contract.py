@@ -2,12 +2,14 @@
 
 A new algorithm file is checked here the moment it is registered: finite metrics, a falling loss on a
 synthetic federated problem, stable state shapes and dtypes, bit-identical checkpoint/resume, honest byte
-counts, and a two-round CLI run.
+counts, a two-round CLI run, and one-line refusals of bad hyperparameters derived from each ``hp`` declaration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from hafedho.algorithms import REGISTRY
+from hafedho.algorithms.fedavg import FedAvg
 from hafedho.cli import main
 from hafedho.config import CONFIG_DIR, load_config
-from hafedho.core import RoundInfo, tree
+from hafedho.core import ConfigError, RoundInfo, tree
 from hafedho.experiment import build
 from hafedho.results import read_metrics
 from hafedho.sim.runner import run
@@ -90,3 +93,56 @@ def test_state_shapes_stable_resume_identical_and_bytes_honest(tmp_path: Path, a
 def test_cli_runs_two_rounds(tmp_path: Path, alg: str) -> None:
     assert main(["run", "smoke", f"algorithm.name={alg}", "--out", str(tmp_path), "--quiet"]) == 0
     assert [r["round"] for r in read_metrics(next(tmp_path.glob(f"{alg}-digits-*-s0")))] == [1, 2]
+
+
+HYPERPARAMETERS = [
+    pytest.param(alg, f.name, id=f"{alg}.{f.name}") for alg in ALGS for f in dataclasses.fields(REGISTRY[alg])
+]
+
+
+def refusals(cls: type, name: str) -> list[tuple[object, str]]:
+    """Values the hyperparameter ``name`` must refuse, each with its one-line message, read off its declaration:
+    the wrong type, None unless optional, a non-finite float, each side of its range, a value not among its
+    choices. Ints stand in for floats (accepted and converted, so the message shows the float)."""
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
+    hint = typing.get_type_hints(cls)[name]
+    types = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    expected = " or ".join(t.__name__ for t in types)
+    key = f"algorithm.{name}"
+    wrong = 1 if str in types else "1"
+    out: list[tuple[object, str]] = [(wrong, f"{key}={wrong!r}: expected {expected}, got {type(wrong).__name__}")]
+    if type(None) not in typing.get_args(hint):
+        out.append((None, f"{key}: None is not allowed; expected {expected}"))
+    if float in types:
+        out.append((math.inf, f"{key}=inf: must be a finite number"))
+    for bound, sign, outside in (("gt", ">", 0), ("ge", ">=", -1), ("lt", "<", 0), ("le", "<=", 1)):
+        if meta.get(bound) is not None:
+            bad = meta[bound] + outside
+            out.append(
+                (int(bad) if float(bad).is_integer() else bad, f"{key}={float(bad)!r}: must be {sign} {meta[bound]}")
+            )
+    if meta.get("choices"):
+        choices = ", ".join(map(repr, meta["choices"]))
+        out.append(("no-such-choice", f"{key}='no-such-choice': choose one of {choices}"))
+    return out
+
+
+@pytest.mark.parametrize(("alg", "name"), HYPERPARAMETERS)
+def test_bad_hyperparameter_is_refused_in_one_line(alg: str, name: str) -> None:
+    cls = REGISTRY[alg]
+    for value, message in refusals(cls, name):
+        with pytest.raises(ConfigError) as err:
+            cls.from_config({name: value})
+        assert str(err.value) == message
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_unknown_and_pinned_settings_are_refused_naming_the_valid_ones(alg: str) -> None:
+    """Also FedAvg's settings that a subclass pins as a ClassVar (FedProx's server_lr): they are no settings."""
+    cls = REGISTRY[alg]
+    valid = sorted(f.name for f in dataclasses.fields(cls))
+    pinned = [f.name for f in dataclasses.fields(FedAvg) if issubclass(cls, FedAvg) and f.name not in valid]
+    for key in ["no_such_setting", *pinned]:
+        with pytest.raises(ConfigError) as err:
+            cls.from_config({key: getattr(cls, key, 1.0)})
+        assert str(err.value) == f"algorithm.{key}: unknown setting for {alg}; valid: {', '.join(valid)}"

@@ -21,7 +21,6 @@ from quadratic import COHORTS, A, close, rnd, rounds, run_round, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.fedavgm import FedAvgM, ServerState
-from hafedho.core import ConfigError
 
 
 def test_two_rounds_by_hand() -> None:
@@ -62,19 +61,3 @@ def test_empty_round_keeps_state() -> None:
     s_empty, _ = run_round(alg, s1, {i: () for i in A}, [], 2)
     assert s_empty is s1
     assert alg.server_update(s1, None, rnd(2, 0)) == (s1, {})
-
-
-@pytest.mark.parametrize(
-    ("settings", "message"),
-    [
-        ({"beta": 1}, "algorithm.beta=1.0: must be < 1"),
-        ({"beta": -0.5}, "algorithm.beta=-0.5: must be >= 0"),
-        ({"server_lr": -1.0}, "algorithm.server_lr=-1.0: must be > 0"),
-        ({"weighting": "equal"}, "algorithm.weighting='equal': choose one of 'data_size', 'uniform'"),
-        ({"momentum": 0.9}, "algorithm.momentum: unknown setting for fedavgm; valid: beta, lr, server_lr, weighting"),
-    ],
-)
-def test_bad_hyperparameters(settings: dict, message: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        FedAvgM.from_config(settings)
-    assert str(err.value) == message

@@ -39,8 +39,7 @@ import torch
 from quadratic import MODEL, SIZES, client_data, close, info, rnd, rounds, w
 from torch.func import grad
 
-from hafedho.algorithms.feddyn import FedDyn, ServerState, Upload, clip_by_global_norm
-from hafedho.core import ConfigError
+from hafedho.algorithms.feddyn import Broadcast, ClientState, FedDyn, ServerState, Upload, clip_by_global_norm
 
 A = {**quadratic.A, 4: (2.0, 2.0)}
 N = 4
@@ -75,7 +74,7 @@ def test_objective_gradient_has_both_penalty_terms() -> None:
     grad phi = (w - a) - grad L + alpha (w - theta) = (1, -1) - (0.2, -0.4) + 0.5 (0.5, 1) = (1.05, -0.1);
     phi = 1/2 ||(1, -1)||^2 - <(0.2, -0.4), (1, 1)> + 0.25 ||(0.5, 1)||^2 = 1 + 0.2 + 0.3125 = 1.5125."""
     alg = FedDyn(alpha=0.5)
-    phi = alg.objective(MODEL, w(0.5, 0.0), w(0.2, -0.4), torch.tensor(0.5))
+    phi = alg.objective(MODEL, Broadcast(w(0.5, 0.0)), ClientState(w(0.2, -0.4)), info(0.25), rnd(1, 1))
     d = client_data(A[2], 1)
     g = grad(lambda p: phi(p, d.x[0], d.y[0], d.mask[0])[0])(w(1.0, 1.0))
     assert close(g, [1.05, -0.1])
@@ -145,19 +144,3 @@ def test_empty_round_keeps_server_state() -> None:
     alg = FedDyn()
     s = alg.init_server(w(1.0, 2.0))
     assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
-@pytest.mark.parametrize(
-    ("settings", "message"),
-    [
-        ({"alpha": 0.0}, "algorithm.alpha=0.0: must be > 0"),
-        ({"alpha_scaling": "size"}, "algorithm.alpha_scaling='size': choose one of 'none', 'data_size'"),
-        ({"max_grad_norm": -1.0}, "algorithm.max_grad_norm=-1.0: must be > 0"),
-        ({"max_grad_norm": "10"}, "algorithm.max_grad_norm='10': expected float, got str"),
-        ({"mu": 1.0}, "algorithm.mu: unknown setting for feddyn; valid: alpha, alpha_scaling, lr, max_grad_norm"),
-    ],
-)
-def test_bad_hyperparameters(settings: dict, message: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        FedDyn.from_config(settings)
-    assert str(err.value) == message

@@ -327,6 +327,13 @@ def test_clip_bounds_hold(beta: float) -> None:
         server = new
 
 
+def test_clip_interval_must_not_be_empty() -> None:
+    """The one cross-field rule (each field's own range is a registry contract, tests/test_contract.py)."""
+    with pytest.raises(ConfigError, match=r"^algorithm\.tau_min=0\.3: must be <= algorithm\.tau_max=0\.2$"):
+        FedLWS(tau_min=0.3)
+    assert FedLWS(tau_min=0.2, tau_max=0.2).tau_min == 0.2
+
+
 def test_layer_groups() -> None:
     names = ["conv1.weight", "norm1.weight", "norm1.bias", "fc.weight", "fc.bias", "scale"]
     assert layer_groups(names, "module") == {

@@ -30,8 +30,7 @@ from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, 
 from torch.func import grad
 
 from hafedho.algorithms.fedavg import FedAvg
-from hafedho.algorithms.fedprox import FedProx
-from hafedho.core import ConfigError
+from hafedho.algorithms.fedprox import Broadcast, FedProx
 
 
 def two_rounds(**kw):
@@ -58,7 +57,7 @@ def test_uniform_weighting() -> None:
 def test_objective_gradient_has_the_proximal_term() -> None:
     """At w = (1, 1), x_t = (0.5, 0), a = (0, 2): grad = (w - a) + mu (w - x_t) = (1, -1) + 0.5 (0.5, 1) = (1.25, -0.5);
     the objective value is 1/2 ||(1, -1)||^2 + 0.25 ||(0.5, 1)||^2 = 1 + 0.3125."""
-    phi = FedProx(mu=0.5).objective(MODEL, w(0.5, 0.0))
+    phi = FedProx(mu=0.5).objective(MODEL, Broadcast(w(0.5, 0.0)), (), info(0.25), rnd(1, 1))
     d = client_data(A[2], 1)
     g = grad(lambda p: phi(p, d.x[0], d.y[0], d.mask[0])[0])(w(1.0, 1.0))
     assert close(g, [1.25, -0.5])
@@ -87,18 +86,3 @@ def test_empty_round_keeps_server_state() -> None:
     alg = FedProx()
     s = alg.init_server(w(1.0, 2.0))
     assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
-@pytest.mark.parametrize(
-    ("settings", "message"),
-    [
-        ({"mu": -0.1}, "algorithm.mu=-0.1: must be >= 0"),
-        ({"weighting": "size"}, "algorithm.weighting='size': choose one of 'data_size', 'uniform'"),
-        ({"lr": 0}, "algorithm.lr=0.0: must be > 0"),
-        ({"server_lr": 1.0}, "algorithm.server_lr: unknown setting for fedprox; valid: lr, mu, weighting"),
-    ],
-)
-def test_bad_hyperparameters(settings: dict, message: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        FedProx.from_config(settings)
-    assert str(err.value) == message

@@ -1,6 +1,6 @@
 """The import rules of DESIGN.md: core imports nothing else of the package; algorithms import only core, and
-FedAvg's module (algorithms that change only FedAvg's server, FedAvgM and FedLWS, subclass it); data does not
-import the simulator; engines import only their base; no import cycle anywhere."""
+FedAvg's module (the base class the other algorithms subclass); data does not import the simulator; engines
+import only their base; no import cycle anywhere."""
 
 from __future__ import annotations
 

@@ -27,13 +27,11 @@ Round 2 (x = (0.375, 0.75), c = (-0.25, -0.5)); step y <- y - 0.5 ((y - a_i) + c
 
 from __future__ import annotations
 
-import pytest
 import torch
 from quadratic import COHORTS, MODEL, A, client_data, close, info, rnd, rounds, rows_data, run_round, w
 
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.algorithms.scaffold import SCAFFOLD, ClientState, ServerState, Upload
-from hafedho.core import ConfigError
 
 
 def two_rounds(**kw):
@@ -146,18 +144,3 @@ def test_empty_round_keeps_server_state() -> None:
     alg = SCAFFOLD()
     s = alg.init_server(w(1.0, 2.0))
     assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
-@pytest.mark.parametrize(
-    ("settings", "message"),
-    [
-        ({"server_lr": 0.0}, "algorithm.server_lr=0.0: must be > 0"),
-        ({"control": "option3"}, "algorithm.control='option3': choose one of 'option2', 'option1'"),
-        ({"lr": -1}, "algorithm.lr=-1.0: must be > 0"),
-        ({"mu": 1.0}, "algorithm.mu: unknown setting for scaffold; valid: control, lr, server_lr"),
-    ],
-)
-def test_bad_hyperparameters(settings: dict, message: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        SCAFFOLD.from_config(settings)
-    assert str(err.value) == message

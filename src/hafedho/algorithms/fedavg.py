@@ -13,8 +13,22 @@ Symbols:
     Delta_i (``delta``) local minus global   eta_g (``server_lr``) server learning rate (1.0 = plain averaging)
     p_i                weight: |D_i| (``weighting="data_size"``, the paper) or 1 (``"uniform"``)
 
-This is the reference every other algorithm reduces to. Algorithms that change only FedAvg's server (FedAvgM,
-FedLWS) subclass ``FedAvg`` and reuse its clients: ``broadcast`` (the model only) and ``client_update``.
+This is the reference the other algorithms reduce to and the base class of all of them but HaFedHo, so that each
+file reads as its diff from FedAvg. ``client_update`` runs ``train``, the K masked local steps of ``local_train``
+from the broadcast model, built from two hooks, the two places where algorithms differ from FedAvg's clients:
+    ``objective``  the local objective phi (FedAvg: f_i itself); FedProx, MOON and FedDyn add terms
+    ``transform``  how a gradient becomes a step (FedAvg: plain SGD); SCAFFOLD shifts it, MimeLite mixes in the
+                   frozen server momentum, FedDyn can clip it
+plus ``train_metrics``, what a client logs (``train/objective`` beside the loss when phi is not f_i).
+A subclass that changes more (its upload, its client state, its server) overrides ``client_update`` (calling
+``train``), ``init_client``, ``server_update`` and its states. FedAvg's two settings can be pinned: a subclass
+whose paper has no server learning rate or weighting declares ``server_lr: ClassVar[float] = 1.0`` (or
+``weighting: ClassVar[str] = "uniform"``), which keeps FedAvg's computation with that value and removes the
+hyperparameter (it is then no setting and not part of the run's identity).
+Subclasses: FedProx and MOON (the objective), SCAFFOLD and MimeLite (the transform), FedDyn (both), FedAvgM and
+FedLWS (the server; under ``spread="weighted_std"`` FedLWS's clients also upload per-layer squared norms), FedSGD
+(one gradient instead of local steps) and pFedAFM (a personalised client). HaFedHo shares no state with FedAvg and
+defines the contract (``core.algorithm.FedAlgorithm``) itself.
 """
 
 from __future__ import annotations
@@ -22,14 +36,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from torch import Tensor
+
 from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
     FedAlgorithm,
+    LocalResult,
     Model,
     Params,
     RoundInfo,
+    Transform,
     aggregation_weight,
     hp,
     local_train,
@@ -37,6 +55,7 @@ from hafedho.core import (
     sgd,
     tree,
 )
+from hafedho.core.types import Objective
 
 
 class ServerState(NamedTuple):
@@ -63,12 +82,31 @@ class FedAvg(FedAlgorithm):
     def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
         return Broadcast(server.params)
 
+    def objective(self, model: Model, msg: Any, state: Any, info: ClientInfo, rnd: RoundInfo) -> Objective:
+        """Hook: the local objective ``phi(w, x, y, mask) -> (phi, f)``; FedAvg's is the client's loss f_i."""
+        return plain_objective(model)
+
+    def transform(self, msg: Any, state: Any, info: ClientInfo, rnd: RoundInfo) -> Transform:
+        """Hook: the local transform from gradient to step; FedAvg's is plain SGD, ``-eta_l g``."""
+        return sgd(self.lr)
+
+    def train(
+        self, msg: Any, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> LocalResult:
+        """The client's local steps from the broadcast model x_t: ``transform`` on ``objective``."""
+        objective = self.objective(model, msg, state, info, rnd)
+        return local_train(objective, msg.params, data, self.transform(msg, state, info, rnd))
+
+    def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
+        """What a client logs: the mean local loss (algorithms whose objective is not f_i add it)."""
+        return {"train/loss": res.loss}
+
     def client_update(
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
-        res = local_train(plain_objective(model), msg.params, data, sgd(self.lr))
+        res = self.train(msg, state, data, info, rnd, model)
         upload = Upload(tree.sub(res.params, msg.params))
-        return ClientResult(upload, aggregation_weight(info, self.weighting), state, {"train/loss": res.loss})
+        return ClientResult(upload, aggregation_weight(info, self.weighting), state, self.train_metrics(res))
 
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo

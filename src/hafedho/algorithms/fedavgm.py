@@ -22,6 +22,7 @@ The paper writes x <- x - v, i.e. eta_g = 1 (the default); eta_g is the server l
 (arXiv:2003.00295) and of Flower's FedAvgM. The paper discusses the effective rate eta_eff = eta_l / (1 - beta).
 v accumulates Delta_w itself (not (1 - beta) Delta_w, a known divergence from the paper in APPFL's FedAvgM).
 
+Diff from FedAvg: the server (``init_server``, ``server_update``, the buffer v in ``ServerState``).
 Reduces to FedAvg exactly when beta = 0 (same ``weighting`` and ``server_lr``; eta_g = 1: plain FedAvg).
 An empty round changes nothing (v is not decayed).
 """

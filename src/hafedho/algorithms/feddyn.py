@@ -32,34 +32,39 @@ Official code (github alpemreacar/FedDyn, ``train_FedDyn``) versus Algorithm 1, 
 The code's plain mean over the active clients and its h (the mean of all N clients' -grad L_k / alpha)
 agree with Algorithm 1.
 
-Never reduces to FedAvg: as alpha -> 0 the local steps become FedAvg's, but -h/alpha is the running sum of
-(1/N) sum_k Delta_k over all rounds and still shifts the server model.
+Diff from FedAvg: the ``objective`` hook (the linear and quadratic terms), the ``transform`` hook (SGD, clipped
+with ``max_grad_norm``), the client state grad L_k, uniform weights (``weighting`` pinned) and the server's h;
+Broadcast and Upload are FedAvg's. Never reduces to FedAvg: as alpha -> 0 the local steps become FedAvg's, but
+-h/alpha is the running sum of (1/N) sum_k Delta_k over all rounds and still shifts the server model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
+from hafedho.algorithms.fedavg import Broadcast, FedAvg, Upload
 from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
-    FedAlgorithm,
+    LocalResult,
     Model,
     Params,
     RoundInfo,
     Transform,
+    aggregation_weight,
     chain,
     hp,
-    local_train,
     sgd,
     tree,
 )
 from hafedho.core.types import Objective
+
+__all__ = ["Broadcast", "ClientState", "FedDyn", "ServerState", "Upload", "clip_by_global_norm"]
 
 
 class ServerState(NamedTuple):
@@ -67,16 +72,11 @@ class ServerState(NamedTuple):
     h: Params  # h^{t-1}
 
 
-class Broadcast(NamedTuple):
-    params: Params  # theta^{t-1}; h never leaves the server
+# Broadcast (theta^{t-1}; h never leaves the server) and Upload (Delta_k = theta_k^t - theta^{t-1}) are FedAvg's.
 
 
 class ClientState(NamedTuple):
     grad_l: Params  # grad L_k(theta_k^{t-1}), zeros before the client's first round
-
-
-class Upload(NamedTuple):
-    delta: Params  # Delta_k = theta_k^t - theta^{t-1}
 
 
 def clip_by_global_norm(max_norm: float) -> Transform:
@@ -89,8 +89,12 @@ def clip_by_global_norm(max_norm: float) -> Transform:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FedDyn(FedAlgorithm):
+class FedDyn(FedAvg):
+    """FedAvg's local steps on the dynamically regularised objective; the server keeps h."""
+
     name = "feddyn"
+    server_lr: ClassVar[float] = 1.0  # not a setting: theta^t is the mean theta_k^t - h^t / alpha
+    weighting: ClassVar[str] = "uniform"  # not a setting: Algorithm 1 averages the active clients uniformly
     alpha: float = hp(0.01, "dynamic regulariser strength alpha", gt=0)
     alpha_scaling: str = hp(
         "none", "client alpha: alpha (paper) or alpha / (N p_k) (official code)", choices=("none", "data_size")
@@ -103,15 +107,15 @@ class FedDyn(FedAlgorithm):
     def init_client(self, params: Params) -> ClientState:
         return ClientState(tree.zeros_like(params))
 
-    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
-        return Broadcast(server.params)
-
     def client_alpha(self, info: ClientInfo, rnd: RoundInfo) -> Tensor:
         alpha = torch.full_like(info.weight, self.alpha)
         return alpha / (rnd.num_clients * info.weight) if self.alpha_scaling == "data_size" else alpha
 
-    def objective(self, model: Model, theta_t: Params, grad_l: Params, alpha: Tensor) -> Objective:
+    def objective(
+        self, model: Model, msg: Broadcast, state: ClientState, info: ClientInfo, rnd: RoundInfo
+    ) -> Objective:
         """``phi(w) = L_k(w) - <grad L_k, w> + alpha/2 ||w - theta^{t-1}||^2``; every term carries w's gradient."""
+        theta_t, grad_l, alpha = msg.params, state.grad_l, self.client_alpha(info, rnd)
 
         def phi(w: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
             f = model.loss(w, x, y, m)
@@ -119,18 +123,23 @@ class FedDyn(FedAlgorithm):
 
         return phi
 
+    def transform(self, msg: Broadcast, state: ClientState, info: ClientInfo, rnd: RoundInfo) -> Transform:
+        """FedAvg's SGD, on the gradient clipped to ``max_grad_norm`` when that is set."""
+        if self.max_grad_norm is None:
+            return sgd(self.lr)
+        return chain(clip_by_global_norm(self.max_grad_norm), sgd(self.lr))
+
+    def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
+        return {"train/loss": res.loss, "train/objective": res.objective}
+
     def client_update(
         self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
-        theta_t, alpha = msg.params, self.client_alpha(info, rnd)
-        opt = (
-            sgd(self.lr) if self.max_grad_norm is None else chain(clip_by_global_norm(self.max_grad_norm), sgd(self.lr))
-        )
-        res = local_train(self.objective(model, theta_t, state.grad_l, alpha), theta_t, data, opt)
-        delta = tree.sub(res.params, theta_t)
-        new_state = ClientState(tree.axpy(-alpha, delta, state.grad_l))
-        metrics = {"train/loss": res.loss, "train/objective": res.objective}
-        return ClientResult(Upload(delta), torch.ones_like(info.num_examples), new_state, metrics)
+        res = self.train(msg, state, data, info, rnd, model)
+        delta = tree.sub(res.params, msg.params)
+        new_state = ClientState(tree.axpy(-self.client_alpha(info, rnd), delta, state.grad_l))
+        weight = aggregation_weight(info, self.weighting)
+        return ClientResult(Upload(delta), weight, new_state, self.train_metrics(res))
 
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo

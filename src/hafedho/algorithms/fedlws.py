@@ -47,6 +47,8 @@ with beta = 0.03 (our defaults); its parameters are the state_dict, so BatchNorm
 grouped and shrunk too (our models have no buffers). A layer with ||w_t^l|| = 0 would get gamma_l = 0 and stay 0
 forever; we leave such a layer unshrunk (gamma_l = 1).
 
+Diff from FedAvg: the server (``server_update``, and ``new_aggregator`` for the official spread); the clients are
+FedAvg's, and under spread="weighted_std" they also upload ||Delta_i^l||^2 (``client_update`` extends FedAvg's).
 Reduces to FedAvg exactly (bit for bit, a test) when beta = 0 and tau_min = 0: then gamma_l = 1 for every layer.
 """
 
@@ -140,7 +142,8 @@ class HeldUploads:
 
 @dataclass(frozen=True, kw_only=True)
 class FedLWS(FedAvg):
-    """FedAvg's clients; the server shrinks each layer of the averaged model by gamma_l."""
+    """FedAvg's clients (plus per-layer squared norms under spread="weighted_std"); the server shrinks each layer of
+    the averaged model by gamma_l."""
 
     name = "fedlws"
     beta: float = hp(0.03, "coefficient beta of the ratio beta * tau_l", ge=0)

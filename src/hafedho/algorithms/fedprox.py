@@ -20,59 +20,38 @@ default follows the code (and is FedAvg's default), ``weighting="uniform"`` give
 The paper's tolerance to partial work (gamma-inexact solutions, stragglers doing fewer epochs) is a property
 of the runtime's step plan: each client runs its own real steps (``res.steps``), padded steps are no-ops.
 
-Reduces to FedAvg exactly when mu = 0 (same weighting): the proximal gradient adds 0 * (y - x_t).
+Diff from FedAvg: the ``objective`` hook; the server is FedAvg's with eta_g = 1 (the paper has no server learning
+rate, so ``server_lr`` is pinned, not a setting). Reduces to FedAvg exactly when mu = 0 (same weighting): the
+proximal gradient adds 0 * (y - x_t).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 from torch import Tensor
 
-from hafedho.core import (
-    ClientData,
-    ClientInfo,
-    ClientResult,
-    FedAlgorithm,
-    Model,
-    Params,
-    RoundInfo,
-    aggregation_weight,
-    hp,
-    local_train,
-    sgd,
-    tree,
-)
+from hafedho.algorithms.fedavg import Broadcast, FedAvg, ServerState, Upload
+from hafedho.core import ClientInfo, LocalResult, Model, Params, RoundInfo, hp, tree
 from hafedho.core.types import Objective
 
+__all__ = ["Broadcast", "FedProx", "ServerState", "Upload"]
 
-class ServerState(NamedTuple):
-    params: Params  # x_t
-
-
-class Broadcast(NamedTuple):
-    params: Params  # x_t
-
-
-class Upload(NamedTuple):
-    delta: Params  # Delta_i = y_i - x_t
+# ServerState (x_t), Broadcast (x_t) and Upload (Delta_i = y_i - x_t) are FedAvg's.
 
 
 @dataclass(frozen=True, kw_only=True)
-class FedProx(FedAlgorithm):
+class FedProx(FedAvg):
+    """FedAvg on the proximal objective."""
+
     name = "fedprox"
+    server_lr: ClassVar[float] = 1.0  # not a setting: the paper's server averages
     mu: float = hp(0.01, "proximal strength mu in f_i(w) + mu/2 ||w - x_t||^2", ge=0)
-    weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
 
-    def init_server(self, params: Params) -> ServerState:
-        return ServerState(params)
-
-    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
-        return Broadcast(server.params)
-
-    def objective(self, model: Model, x_t: Params) -> Objective:
+    def objective(self, model: Model, msg: Broadcast, state: Any, info: ClientInfo, rnd: RoundInfo) -> Objective:
         """``phi(w) = f_i(w) + mu/2 ||w - x_t||^2``; x_t is a constant, w carries the gradient."""
+        x_t = msg.params
 
         def phi(w: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
             f = model.loss(w, x, y, m)
@@ -80,17 +59,5 @@ class FedProx(FedAlgorithm):
 
         return phi
 
-    def client_update(
-        self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
-    ) -> ClientResult:
-        res = local_train(self.objective(model, msg.params), msg.params, data, sgd(self.lr))
-        weight = aggregation_weight(info, self.weighting)
-        metrics = {"train/loss": res.loss, "train/objective": res.objective}
-        return ClientResult(Upload(tree.sub(res.params, msg.params)), weight, state, metrics)
-
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: nothing to apply
-            return server, {}
-        return ServerState(tree.add(server.params, agg.delta)), {}
+    def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
+        return {"train/loss": res.loss, "train/objective": res.objective}

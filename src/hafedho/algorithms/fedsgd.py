@@ -24,18 +24,21 @@ with E = 1, B = infinity: one step of batch >= n_k; "batches": S = 1, B = S*B): 
 its server step is the same, up to float rounding (the rows are summed in another order), for models without
 BatchNorm (whose batch statistics would be those of each block).
 An empty round changes nothing.
+
+Diff from FedAvg: one full-batch gradient replaces the local steps (``client_update``), and the server steps along
+the averaged gradient with eta (``lr``); the states, ``init_server``, ``broadcast`` and ``weighting`` are FedAvg's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
+from hafedho.algorithms.fedavg import Broadcast, FedAvg, ServerState
 from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
-    FedAlgorithm,
     Model,
     Params,
     RoundInfo,
@@ -45,13 +48,9 @@ from hafedho.core import (
     tree,
 )
 
+__all__ = ["Broadcast", "FedSGD", "ServerState", "Upload"]
 
-class ServerState(NamedTuple):
-    params: Params  # w_t
-
-
-class Broadcast(NamedTuple):
-    params: Params  # w_t
+# ServerState (w_t) and Broadcast (w_t) are FedAvg's.
 
 
 class Upload(NamedTuple):
@@ -59,8 +58,12 @@ class Upload(NamedTuple):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FedSGD(FedAlgorithm):
+class FedSGD(FedAvg):
+    """FedAvg's states; each client sends one gradient at w_t instead of running local steps, the server steps along
+    their mean."""
+
     name = "fedsgd"
+    server_lr: ClassVar[float] = 1.0  # not a setting: the server's step is eta (lr) itself
     lr: float = hp(0.05, "learning rate eta of the server step w <- w - eta g (no local steps)", gt=0)
     weighting: str = hp("data_size", "aggregation weight p_k", choices=("data_size", "uniform"))
     batch: str = hp(
@@ -72,12 +75,6 @@ class FedSGD(FedAlgorithm):
     @property
     def needs_full_pass(self) -> bool:
         return self.batch == "full"
-
-    def init_server(self, params: Params) -> ServerState:
-        return ServerState(params)
-
-    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
-        return Broadcast(server.params)
 
     def client_update(
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model

@@ -44,6 +44,10 @@ Switches for the paper's inconsistencies and ablations (defaults follow Algorith
     aggregation      "uniform": 1/m as Algorithm 1 writes; "data_size": weights |D_i| as in the analysis.
     self_correction  remove the client's own stale contribution when it was sampled in round t-1.
     mu_schedule      "constant" (the experiments) or "inverse_round": mu_t = mu / t (the analysis).
+
+Diff from FedAvg: the objective adds mu (f_hat + h^T (w - w_t)); everything else differs too (the broadcast carries
+g and f_hat, clients upload gradient sums and keep their last upload, the server steps along g with its own
+``eta`` and ``aggregation``), so HaFedHo shares no state with FedAvg and subclasses ``FedAlgorithm`` directly.
 """
 
 from __future__ import annotations

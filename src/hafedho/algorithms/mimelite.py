@@ -33,6 +33,8 @@ Where implementations differ from the paper (named options):
                    runtime sampled for this round's steps (S x B, drawn twice counts twice; no extra pass),
                    an approximation. The two coincide when the runtime plans exactly one local epoch.
 
+Diff from FedAvg: the ``transform`` hook (the frozen momentum mixed into each step), the momentum in the broadcast,
+c_i in the upload and the server's momentum update; the model step, ``server_lr`` and ``weighting`` are FedAvg's.
 Reduces to FedAvg (same ``weighting`` and ``server_lr``) when beta = 0, exactly: U = 1 g + 0 m.
 An empty round changes nothing (m is not decayed).
 """
@@ -42,21 +44,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from hafedho.algorithms.fedavg import FedAvg
 from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
-    FedAlgorithm,
     Model,
     Params,
     RoundInfo,
-    aggregation_weight,
+    Transform,
     chain,
     full_gradient,
     hp,
-    local_train,
     mix,
-    plain_objective,
     sgd,
     tree,
 )
@@ -76,7 +76,9 @@ class Upload(NamedTuple):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MimeLite(FedAlgorithm):
+class MimeLite(FedAvg):
+    """FedAvg's local steps mixing in the frozen server momentum; the server also updates the momentum."""
+
     name = "mimelite"
     lr: float = hp(0.05, "local learning rate eta of the mimicked SGDm steps", gt=0)
     beta: float = hp(0.9, "momentum beta of the mimicked SGDm (0 = FedAvg)", ge=0, lt=1)
@@ -84,7 +86,6 @@ class MimeLite(FedAlgorithm):
         "ema", "ema: (1-beta) g + beta m (paper); heavy_ball: g + beta m (FedJAX/TFF)", choices=("ema", "heavy_ball")
     )
     server_lr: float = hp(1.0, "server learning rate eta_g on the averaged delta (1 = mean of y_i)", gt=0)
-    weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
     stats: str = hp(
         "full",
         "c_i = grad f_i(x) over: full (all local data, one extra pass; paper) or batches (the round's sampled rows)",
@@ -106,15 +107,16 @@ class MimeLite(FedAlgorithm):
     def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
         return server
 
+    def transform(self, msg: Broadcast, state: Any, info: ClientInfo, rnd: RoundInfo) -> Transform:
+        """``-eta (grad_coef g + beta m)`` with m frozen for all K steps."""
+        return chain(mix(msg.m, self.grad_coef, self.beta), sgd(self.lr))
+
     def client_update(
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
-        step = chain(mix(msg.m, self.grad_coef, self.beta), sgd(self.lr))  # m frozen for all K steps
-        res = local_train(plain_objective(model), msg.params, data, step)
+        res = super().client_update(msg, state, data, info, rnd, model)  # FedAvg's Delta_i, weight and metrics
         c_i, _ = full_gradient(model, msg.params, self.full_data(data) if self.stats == "full" else data)
-        weight = aggregation_weight(info, self.weighting)
-        upload = Upload(tree.sub(res.params, msg.params), c_i)
-        return ClientResult(upload, weight, state, {"train/loss": res.loss})
+        return res._replace(upload=Upload(res.upload.delta, c_i))
 
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo

@@ -45,48 +45,42 @@ differs only for dropout, i.e. ``femnist_cnn``); a FIFO pool of ``model_buffer_s
 (here: 1). Hyperparameters: tau = 0.5 (the paper's default); mu = 1 (code default; the paper tunes mu in
 {0.1, 1, 5, 10} and reports 5 for CIFAR-10, 1 for CIFAR-100 and Tiny-ImageNet).
 
-Reduces to FedAvg exactly (bit for bit, a test) when mu = 0: the contrastive forwards are then skipped.
+Diff from FedAvg: the ``objective`` hook, and a client state (the previous model) that ``client_update`` keeps;
+the server is FedAvg's with eta_g = 1 (``server_lr`` pinned, as the paper's). Reduces to FedAvg exactly (bit for
+bit, a test) when mu = 0: the contrastive forwards are then skipped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hafedho.algorithms.fedavg import Broadcast, FedAvg, ServerState, Upload
 from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
-    FedAlgorithm,
+    LocalResult,
     Model,
     Params,
     RoundInfo,
     aggregation_weight,
     hp,
-    local_train,
-    sgd,
     tree,
 )
+from hafedho.core.types import Objective
 
+__all__ = ["MOON", "Broadcast", "ClientState", "ServerState", "Upload", "model_contrastive_loss"]
 
-class ServerState(NamedTuple):
-    params: Params  # w^t
-
-
-class Broadcast(NamedTuple):
-    params: Params  # w^t
+# ServerState (w^t), Broadcast (w^t) and Upload (Delta_i = w_i - w^t) are FedAvg's.
 
 
 class ClientState(NamedTuple):
     prev: Params  # w_i^{t-1}: the client's final local model of the last round it took part in (w^0 before)
-
-
-class Upload(NamedTuple):
-    delta: Params  # Delta_i = w_i - w^t
 
 
 def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, mask: Tensor, tau: float) -> Tensor:
@@ -103,24 +97,21 @@ def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, mask: Tens
 
 
 @dataclass(frozen=True, kw_only=True)
-class MOON(FedAlgorithm):
+class MOON(FedAvg):
+    """FedAvg with the model-contrastive term in the objective; each client keeps its last local model."""
+
     name = "moon"
+    server_lr: ClassVar[float] = 1.0  # not a setting: the paper's server averages
     mu: float = hp(1.0, "weight mu of the model-contrastive term (paper: 5 on CIFAR-10, 1 on CIFAR-100)", ge=0)
     tau: float = hp(0.5, "temperature tau of the contrastive loss", gt=0)
-    weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
-
-    def init_server(self, params: Params) -> ServerState:
-        return ServerState(params)
 
     def init_client(self, params: Params) -> ClientState:
         return ClientState({k: v.detach().clone() for k, v in params.items()})
 
-    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
-        return Broadcast(server.params)
-
-    def client_update(
-        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
-    ) -> ClientResult:
+    def objective(
+        self, model: Model, msg: Broadcast, state: ClientState, info: ClientInfo, rnd: RoundInfo
+    ) -> Objective:
+        """``l(w) = l_sup(w) + mu l_con(w)``; w^t and w_i^{t-1} are constants, w carries the gradient."""
         w_t, prev, mu, tau = msg.params, state.prev, self.mu, self.tau
 
         def objective(w: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,14 +124,16 @@ class MOON(FedAlgorithm):
             z_prev, _ = model.features(prev, x)
             return f + mu * model_contrastive_loss(z, z_glob, z_prev, m, tau), f
 
-        res = local_train(objective, w_t, data, sgd(self.lr))
-        weight = aggregation_weight(info, self.weighting)
-        metrics = {"train/loss": res.loss, "train/objective": res.objective}
-        return ClientResult(Upload(tree.sub(res.params, w_t)), weight, ClientState(res.params), metrics)
+        return objective
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: nothing to apply
-            return server, {}
-        return ServerState(tree.add(server.params, agg.delta)), {}
+    def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
+        return {"train/loss": res.loss, "train/objective": res.objective}
+
+    def client_update(
+        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult:
+        """FedAvg's, and the client keeps its final local model as the next round's w_i^{t-1}."""
+        res = self.train(msg, state, data, info, rnd, model)
+        upload = Upload(tree.sub(res.params, msg.params))
+        weight = aggregation_weight(info, self.weighting)
+        return ClientResult(upload, weight, ClientState(res.params), self.train_metrics(res))

@@ -31,6 +31,9 @@ then G through the frozen header with a = 0 (r = z_G) in step 2. It uses SGD wit
 1e-3 (on a too), gradient clipping at 50 and alpha lr 0.1 (0.01 in ``pFedAFM_mh.py``); here plain SGD, no decay
 on alpha. Not FedAvg: with ``alpha_init=1, alpha_lr=0`` it is FedRep (shared body, personal head trained first);
 with ``alpha_init=0, alpha_lr=0`` the deployed model is local training alone.
+
+Diff from FedAvg: the client (``init_client``, ``client_update``: the two phases) and the deployed model
+(``predict``); the states and the server are FedAvg's on G, with n_k weights and eta_g = 1 (both pinned).
 """
 
 from __future__ import annotations
@@ -41,15 +44,16 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from hafedho.algorithms.fedavg import Broadcast, FedAvg, ServerState, Upload
 from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
-    FedAlgorithm,
     Model,
     Params,
     RoundInfo,
     Transform,
+    aggregation_weight,
     hp,
     local_train,
     sgd,
@@ -58,22 +62,14 @@ from hafedho.core import (
 
 ALPHA = "pfedafm/alpha"  # alpha's key while it trains alongside omega, phi ("/" never occurs in parameter names)
 
+__all__ = ["ALPHA", "Broadcast", "ClientState", "PFedAFM", "ServerState", "Upload", "mixed_logits"]
 
-class ServerState(NamedTuple):
-    params: Params  # theta_t (G)
-
-
-class Broadcast(NamedTuple):
-    params: Params  # theta_t
+# ServerState (theta_t, G), Broadcast (theta_t) and Upload (Delta_k = theta_k - theta_t) are FedAvg's.
 
 
 class ClientState(NamedTuple):
     personal: Params  # omega_k, phi_k (the client's F_k + H_k)
     alpha: Tensor  # alpha_k, [d]
-
-
-class Upload(NamedTuple):
-    delta: Params  # Delta_k = theta_k - theta_t
 
 
 def mixed_logits(model: Model, g: Params, personal: Params, alpha: Tensor, x: Tensor) -> Tensor:
@@ -83,22 +79,20 @@ def mixed_logits(model: Model, g: Params, personal: Params, alpha: Tensor, x: Te
 
 
 @dataclass(frozen=True, kw_only=True)
-class PFedAFM(FedAlgorithm):
+class PFedAFM(FedAvg):
+    """FedAvg on the shared extractor G; each client trains its own model and mixing vector first."""
+
     name = "pfedafm"
     personalized: ClassVar[bool] = True
+    server_lr: ClassVar[float] = 1.0  # not a setting: the server averages
+    weighting: ClassVar[str] = "data_size"  # not a setting: n_k, as the authors' code
     alpha_lr: float = hp(0.1, "learning rate eta_alpha of the mixing vector alpha_k (authors' code: 0.1)", ge=0)
     alpha_init: float = hp(0.0, "initial alpha_k, the weight of G's features (authors' code: 0, all local)", ge=0, le=1)
-
-    def init_server(self, params: Params) -> ServerState:
-        return ServerState(params)
 
     def init_client(self, params: Params) -> ClientState:
         head_w = [v for v in params.values() if v.dim() == 2][-1]  # [classes, d]
         alpha = torch.full((head_w.shape[1],), self.alpha_init, dtype=head_w.dtype)
         return ClientState({k: v.clone() for k, v in params.items()}, alpha)
-
-    def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
-        return Broadcast(server.params)
 
     def step1_transform(self) -> Transform:
         """SGD on (omega, phi); projected SGD alpha <- clip_[0,1](alpha - eta_alpha g) on alpha (branch-free)."""
@@ -131,14 +125,7 @@ class PFedAFM(FedAlgorithm):
         res2 = local_train(through_header, theta, data, sgd(self.lr))
         metrics = {"train/loss": res1.loss, "train/global_loss": res2.loss, "train/alpha_mean": alpha.mean()}
         upload = Upload(tree.sub(res2.params, theta))
-        return ClientResult(upload, info.num_examples, ClientState(personal, alpha), metrics)
-
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: nothing to apply
-            return server, {}
-        return ServerState(tree.add(server.params, agg.delta)), {}
+        return ClientResult(upload, aggregation_weight(info, self.weighting), ClientState(personal, alpha), metrics)
 
     def predict(self, server: ServerState, client_state: ClientState, model: Model, x: Tensor) -> Tensor:
         """The deployed personalised model H_k(alpha_k (.) G(x; theta) + (1 - alpha_k) (.) F_k(x)).

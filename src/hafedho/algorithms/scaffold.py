@@ -28,29 +28,29 @@ last batch weighs per row, rows the steps never drew count); the runtime builds 
 The authors released no code; the FedDyn authors' re-implementation (github alpemreacar/FedDyn) scales c by
 1/(N p_i) and Delta c_i by N p_i and clips gradients, which is not Algorithm 1 and is not offered here.
 
+Diff from FedAvg: the ``transform`` hook (the shift ``+ c - c_i``), the control variates in the broadcast, the
+client state, the upload and the server; weights are uniform (``weighting`` pinned, as Algorithm 1 writes).
 Reduces to FedAvg with uniform weights (and eta_g) while c = c_i = 0, e.g. in the first round.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
-import torch
-
+from hafedho.algorithms.fedavg import FedAvg
 from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
-    FedAlgorithm,
     Model,
     Params,
     RoundInfo,
+    Transform,
+    aggregation_weight,
     chain,
     full_gradient,
     hp,
-    local_train,
-    plain_objective,
     sgd,
     shift,
     tree,
@@ -75,8 +75,11 @@ class Upload(NamedTuple):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SCAFFOLD(FedAlgorithm):
+class SCAFFOLD(FedAvg):
+    """FedAvg's local steps on the corrected gradient ``g - c_i + c``, with control variates."""
+
     name = "scaffold"
+    weighting: ClassVar[str] = "uniform"  # not a setting: Algorithm 1 averages uniformly
     server_lr: float = hp(1.0, "global step size eta_g applied to the mean Delta y", gt=0)
     control: str = hp(
         "option2",
@@ -97,12 +100,15 @@ class SCAFFOLD(FedAlgorithm):
     def broadcast(self, server: ServerState, rnd: RoundInfo) -> Broadcast:
         return server
 
+    def transform(self, msg: Broadcast, state: ClientState, info: ClientInfo, rnd: RoundInfo) -> Transform:
+        """``-eta_l (g - c_i + c)``: the shift by the constant ``c - c_i``, then FedAvg's SGD."""
+        return chain(shift(tree.sub(msg.c, state.c_i)), sgd(self.lr))
+
     def client_update(
         self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
         x, c, c_i = msg.params, msg.c, state.c_i
-        objective = plain_objective(model)
-        res = local_train(objective, x, data, chain(shift(tree.sub(c, c_i)), sgd(self.lr)))
+        res = self.train(msg, state, data, info, rnd, model)
         k = res.steps  # real steps K_i (0-d float)
         if self.control == "option2":
             new = tree.axpy(1.0 / (k.clamp(min=1.0) * self.lr), tree.sub(x, res.params), tree.sub(c_i, c))
@@ -110,8 +116,8 @@ class SCAFFOLD(FedAlgorithm):
             new, _ = full_gradient(model, x, self.full_data(data))
         c_plus = tree.where(k > 0, new, c_i)  # K_i = 0: nothing was learnt, keep c_i
         upload = Upload(tree.sub(res.params, x), tree.sub(c_plus, c_i))
-        weight = torch.ones_like(info.num_examples)
-        return ClientResult(upload, weight, ClientState(c_plus), {"train/loss": res.loss})
+        weight = aggregation_weight(info, self.weighting)
+        return ClientResult(upload, weight, ClientState(c_plus), self.train_metrics(res))
 
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo

@@ -1,4 +1,4 @@
-"""Core: types, the algorithm protocol, tree math, local training, aggregation. Imports nothing else."""
+"""Core: types, the algorithm base class, tree math, local training, aggregation. Imports nothing else."""
 
 from hafedho.core import tree
 from hafedho.core.aggregate import WeightedMean
@@ -18,10 +18,10 @@ from hafedho.core.local import (
 )
 from hafedho.core.model import FunctionalModel
 from hafedho.core.tree import Params
-from hafedho.core.types import Algorithm, ClientData, ClientInfo, ClientResult, Model, RoundInfo
+from hafedho.core.types import Aggregator, ClientData, ClientInfo, ClientResult, Model, RoundInfo
 
 __all__ = [
-    "Algorithm",
+    "Aggregator",
     "ClientData",
     "ClientInfo",
     "ClientResult",

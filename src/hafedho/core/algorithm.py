@@ -1,4 +1,4 @@
-"""Base class for algorithms: validated hyperparameters and the defaults most algorithms share.
+"""The algorithm contract (``FedAlgorithm``, the base class the runtime is written against) and its hyperparameters.
 
 Hyperparameters are dataclass fields declared with ``hp(...)``; they are type- and range-checked when the
 algorithm is built, so a bad config fails before any training with one line naming the key and the fix.
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from hafedho.core.aggregate import WeightedMean
 from hafedho.core.tree import Params
-from hafedho.core.types import ClientData
+from hafedho.core.types import Aggregator, ClientData, ClientInfo, ClientResult, Model, RoundInfo
 
 
 class ConfigError(ValueError):
@@ -69,9 +69,12 @@ def _names(types: tuple[Any, ...]) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FedAlgorithm:
-    """Shared fields and defaults. Subclasses add their hyperparameters and the five protocol functions.
+    """The one contract between an algorithm and the runtime (every engine, the Flower apps), with its defaults.
 
-    Convention: every ``ServerState`` has a field ``params`` holding the global model.
+    A subclass adds its hyperparameters (``hp`` fields) and the four functions every algorithm defines,
+    ``init_server``, ``broadcast``, ``client_update`` and ``server_update``; the others have defaults here. Most
+    algorithms subclass ``algorithms.fedavg.FedAvg`` instead, which defines the four and exposes the local objective
+    and the local transform as hooks. Convention: every ``ServerState`` has a field ``params``, the global model.
     """
 
     name: ClassVar[str] = ""
@@ -115,13 +118,35 @@ class FedAlgorithm:
             )
         return data.full
 
+    def init_server(self, params: Params) -> Any:
+        """The ``ServerState`` of round 1 from the initial global model."""
+        raise NotImplementedError
+
     def init_client(self, params: Params) -> Any:
+        """A client's ``ClientState`` before its first round (``()``: stateless clients)."""
         return ()
 
-    def new_aggregator(self) -> WeightedMean:
+    def broadcast(self, server: Any, rnd: RoundInfo) -> Any:
+        """The ``Broadcast`` of round ``rnd``: the wire payload, the same for every client."""
+        raise NotImplementedError
+
+    def client_update(
+        self, msg: Any, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult:
+        """One client's round: pure and branch-free on data values, so that the vmap engine can batch it."""
+        raise NotImplementedError
+
+    def new_aggregator(self) -> Aggregator:
+        """A fresh streaming aggregator for one round's uploads (the weighted mean of the ``Upload`` trees)."""
         return WeightedMean()
 
+    def server_update(self, server: Any, agg: Any, rnd: RoundInfo) -> tuple[Any, dict[str, float]]:
+        """The next ``ServerState`` from the aggregate, with server metrics; ``rnd.cohort_size`` counts the uploads
+        aggregated."""
+        raise NotImplementedError
+
     def eval_params(self, server: Any, client_state: Any = None) -> Params:
+        """The parameters the global evaluation uses (default: ``server.params``)."""
         return server.params
 
     def predict(self, server: Any, client_state: Any, model: Any, x: Tensor) -> Tensor:
@@ -131,7 +156,3 @@ class FedAlgorithm:
     def run_notes(self, local_steps: int) -> dict[str, float]:
         """Facts worth logging once per run (HaFedHo: ``lambda*mu``); may warn."""
         return {}
-
-    @staticmethod
-    def scalar(x: Tensor | float) -> float:
-        return float(x)

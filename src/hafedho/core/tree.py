@@ -54,10 +54,6 @@ def where(cond: Tensor, a: Any, b: Any) -> Any:
     return pytree.tree_map(lambda x, y: torch.where(cond, x, y), a, b)
 
 
-def leaves(tree: Any) -> list[Tensor]:
-    return pytree.tree_leaves(tree)
-
-
 def num_bytes(tree: Any) -> int:
     """Bytes on the wire for a tree of tensors (what a client would send or receive)."""
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, Tensor))

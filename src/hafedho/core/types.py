@@ -1,8 +1,8 @@
-"""The algorithm protocol and the plain records that cross it.
+"""The plain records that cross between an algorithm and the runtime, and the protocols of what it is handed.
 
-An algorithm is a frozen dataclass of hyperparameters plus pure functions over explicit state (optax's
-``init/update``, FedJAX's ``init/apply``). It never sees where clients run: the reference loop, a vectorised
-engine or a Flower client all call the same ``client_update``.
+An algorithm (``core.algorithm.FedAlgorithm``, the one contract) is a frozen dataclass of hyperparameters plus pure
+functions over explicit state (optax's ``init/update``, FedJAX's ``init/apply``). It never sees where clients run:
+the reference loop, a vectorised engine or a Flower client all call the same ``client_update``.
 """
 
 from __future__ import annotations
@@ -75,34 +75,12 @@ class Model(Protocol):
 
 
 class Aggregator(Protocol):
-    """Streaming reduction of weighted uploads; ``result`` gives the aggregate or None if nothing arrived."""
+    """Streaming reduction of weighted uploads (``FedAlgorithm.new_aggregator``); ``result`` gives the aggregate,
+    cast to the dtypes of ``like`` (default float32), or None if nothing arrived."""
 
-    def add(self, upload: Any, weight: Tensor) -> None: ...
+    def add(self, upload: Any, weight: Tensor | float) -> None: ...
 
-    def result(self) -> Any: ...
-
-
-class Algorithm(Protocol):
-    """What the runtime needs from an algorithm (see ``core.algorithm.FedAlgorithm`` for the base class)."""
-
-    lr: float
-    needs_full_pass: bool  # True: the runtime also builds ``data.full``, the client's whole local data
-
-    def init_server(self, params: Params) -> Any: ...
-
-    def init_client(self, params: Params) -> Any: ...
-
-    def broadcast(self, server: Any, rnd: RoundInfo) -> Any: ...
-
-    def client_update(
-        self, msg: Any, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
-    ) -> ClientResult: ...
-
-    def new_aggregator(self) -> Aggregator: ...
-
-    def server_update(self, server: Any, aggregate: Any, rnd: RoundInfo) -> tuple[Any, dict[str, float]]: ...
-
-    def eval_params(self, server: Any, client_state: Any = None) -> Params: ...
+    def result(self, like: Any = None) -> Any: ...
 
 
 Objective = Callable[[Params, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
