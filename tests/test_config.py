@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from hafedho.config import ConfigError, load_config, parse_override
+from hafedho.config import RUNTIME_KEYS, Config, ConfigError, experiment_identity, load_config, parse_override
 from hafedho.data.partition import PartitionError
 from hafedho.data.sources import DataError
 from hafedho.experiment import build
@@ -39,16 +40,42 @@ def test_bad_settings_fail_with_one_line(overrides: list[str], message: str) -> 
     assert "\n" not in str(err.value)
 
 
-def test_bad_algorithm_settings_fail_before_loading_data() -> None:
-    cfg = load_config(None, ["algorithm.hafedho.mu=-1", "data.source=femnist", "data.path=/nonexistent"])
-    with pytest.raises(ConfigError, match=r"^algorithm.hafedho.mu=-1.0: must be >= 0"):
-        build(cfg)
-    cfg = load_config(None, ["algorithm.name=scaffoldd"])
-    with pytest.raises(ConfigError, match=r"algorithm.name='scaffoldd': unknown algorithm; choose one of"):
-        build(cfg)
-    cfg = load_config(None, ["algorithm.fedprocs.mu=1"])
-    with pytest.raises(ConfigError, match=r"algorithm.fedprocs: not an algorithm"):
-        build(cfg)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.hafedho.mu=-1"], r"^algorithm.hafedho.mu=-1.0: must be >= 0$"),
+        (["algorithm.name=scaffoldd"], r"^algorithm.name='scaffoldd': unknown algorithm; choose one of"),
+        (["algorithm.fedprocs.mu=1"], r"^algorithm.fedprocs: not an algorithm"),
+        (["algorithm.name=fedavg", "algorithm.mu=0.5"], r"^algorithm.mu: unknown setting for fedavg"),
+    ],
+)
+def test_bad_algorithm_settings_fail_at_load(overrides: list[str], message: str) -> None:
+    """``[algorithm]`` is checked once, when the config is loaded (``config_from_table``): before any data, for
+    ``hafedho run``, sweeps (``test_sweep``) and Flower (``load_run_config``) alike."""
+    from hafedho.flower.common import load_run_config
+
+    missing = ["data.source=femnist", "data.path=/nonexistent"]  # never reached
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*overrides, *missing])
+    with pytest.raises(ConfigError, match=message):
+        load_run_config({"hafedho-config": "default", "overrides": " ".join(overrides)})
+
+
+def test_only_the_selected_algorithms_table_is_kept() -> None:
+    """The other algorithms' tables never apply to the run, so the loaded config (and its config.toml) drops them."""
+    assert load_config(None).algorithm["hafedho"] == {"mu": 0.01}
+    table = load_config(None, ["algorithm.name=fedprox", "algorithm.fedprox.mu=0.1", "algorithm.moon.mu=1"]).algorithm
+    assert table == {"name": "fedprox", "lr": 0.05, "fedprox": {"mu": 0.1}}
+
+
+def test_the_runtime_half_is_declared_on_the_fields() -> None:
+    """``runtime_hp`` marks how, where and how long a run runs; everything else is the experiment."""
+    runtime = {"rounds", "eval_every", "checkpoint_every", "engine", "workers", "vmap_chunk", "threads"}
+    assert {*runtime, "client_store", "name", "out"} == RUNTIME_KEYS
+    assert all(f.metadata["help"] for f in dataclasses.fields(Config) if f.name in RUNTIME_KEYS)  # still hp()s
+    ident = experiment_identity(load_config(None))
+    assert set(ident) == {f.name for f in dataclasses.fields(Config)} - RUNTIME_KEYS
+    assert set(ident) == {"seed", "data", "clients", "sampling", "model", "algorithm"}
 
 
 def test_missing_data_path() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import fp32_close, longest_reduction
 from torch import nn
 
 from hafedho.algorithms import HaFedHo, algorithm_from_table, resolve_algorithm
@@ -102,6 +103,39 @@ def test_resume_compares_experiments_not_runtime_settings(tmp_path: Path) -> Non
     with pytest.raises(RunDirError, match=r"holds another experiment \(differs in: data.q\)"):
         run(build(load_config(SMOKE, ["rounds=4", "data.q=0.1"])), run_dir, resume=True, progress=False)
     assert len(read_metrics(run_dir)) == 3
+
+
+def final_state(run_dir: Path) -> list[torch.Tensor]:
+    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    return ckpt["server"] + ckpt["store"]
+
+
+@pytest.mark.parametrize(
+    ("first", "then"), [("loop", "loop"), ("process", "process"), ("loop", "process"), ("process", "loop")]
+)
+def test_a_run_started_on_one_engine_resumes_on_any(tmp_path: Path, first: str, then: str) -> None:
+    """Two rounds on ``first``, resumed to four on ``then``: on the same engine bit for bit the uninterrupted run;
+    on another equal to it up to float32 rounding (tests/tolerance.py; engines only reorder float operations)."""
+    runtime = ["workers=2", "threads=1"]
+    ref = tmp_path / "ref"
+    run(build(load_config(SMOKE, ["rounds=4", f"engine={first}", *runtime])), ref, progress=False)
+    part = tmp_path / "part"
+    run(build(load_config(SMOKE, ["rounds=2", f"engine={first}", *runtime])), part, progress=False)
+    exp = build(load_config(SMOKE, ["rounds=4", f"engine={then}", *runtime]))
+    assert run(exp, part, resume=True, progress=False)["round"] == 4
+    got, want = read_metrics(part), read_metrics(ref)
+    assert [r["round"] for r in got] == [1, 2, 3, 4] and [r.keys() for r in got] == [r.keys() for r in want]
+    if first == then:
+        strip = [{k: v for k, v in r.items() if k != "wall_s"} for r in got]
+        assert strip == [{k: v for k, v in r.items() if k != "wall_s"} for r in want]
+        assert all(torch.equal(a, b) for a, b in zip(final_state(part), final_state(ref), strict=True))
+    else:
+        counts = [[(k, v) for k, v in r.items() if isinstance(v, int)] for r in (*got, *want)]
+        assert counts[:4] == counts[4:]  # rounds, cohorts, bytes: exact
+        lam = max(exp.plan.steps_for(int(n)) for n in exp.fed.sizes)
+        x = exp.fed.preprocess(exp.fed.x_train[: exp.cfg.clients.batch_size])
+        bounds = {"reduction": longest_reduction(exp.model.module, x), "steps": 4 * (lam + 1)}
+        fp32_close(final_state(part), final_state(ref), **bounds, what=f"{first} -> {then}")
 
 
 # ---------------------------------------------------------------------------------------------- [algorithm]

@@ -92,7 +92,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.preset == "list":
         for name in list_presets():
             p = load_preset(name, args.scale)
-            print(f"{name:8s} {len(expand(p, check=False)):4d} runs ({args.scale})  {p.description}")
+            print(f"{name:8s} {len(expand(p)):4d} runs ({args.scale})  {p.description}")
         return 0
     preset = load_preset(args.preset, args.scale)
     specs = expand(preset, args.seeds, args.overrides, args.out)

@@ -15,27 +15,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hafedho.core.algorithm import ConfigError, check_value, hp
+from hafedho.algorithms import algorithm_from_table, applicable
+from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
 from hafedho.sim.engines.registry import ENGINES, engine_help, option_field
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
-# Top-level settings that say how, where and how long a run runs, never what it computes: they are not part of a
-# run's identity (extending `rounds` continues a run; engines agree up to float rounding) and never a report axis.
-RUNTIME_KEYS = frozenset(
-    {
-        "rounds",
-        "eval_every",
-        "checkpoint_every",
-        "engine",
-        "workers",
-        "vmap_chunk",
-        "threads",
-        "client_store",
-        "name",
-        "out",
-    }
-)
+
+def runtime_hp(default: Any, help: str, **checks: Any) -> Any:
+    """``hp`` for a runtime setting: one that says how, where or how long a run runs, never what it computes.
+
+    Runtime settings (``RUNTIME_KEYS``) are not part of a run's identity (extending ``rounds`` continues a run;
+    engines agree up to float rounding) and never a report axis; every other setting is the experiment.
+    """
+    return runtime(hp(default, help, **checks))
+
+
+def runtime(f: Any) -> Any:
+    """A config field (``hp``'s) marked as a runtime setting (see ``runtime_hp``)."""
+    return dataclasses.field(default=f.default, metadata={**f.metadata, "runtime": True})
 
 
 @dataclass
@@ -78,25 +76,27 @@ class ModelConfig:
 @dataclass
 class Config:
     seed: int = hp(0, "seed of everything (model init, partition, cohorts, batches)", ge=0)
-    rounds: int = hp(100, "T: communication rounds", ge=1)
-    eval_every: int = hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
-    checkpoint_every: int = hp(10, "checkpoint every k rounds (and at the last)", ge=1)
-    engine: str = hp("loop", engine_help(), choices=tuple(ENGINES))  # choices, help and options: the registry's
-    workers: int = option_field("workers")
-    vmap_chunk: int = option_field("vmap_chunk")
-    threads: int = hp(
+    rounds: int = runtime_hp(100, "T: communication rounds", ge=1)
+    eval_every: int = runtime_hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
+    checkpoint_every: int = runtime_hp(10, "checkpoint every k rounds (and at the last)", ge=1)
+    engine: str = runtime_hp("loop", engine_help(), choices=tuple(ENGINES))  # choices, help, options: the registry's
+    workers: int = runtime(option_field("workers"))
+    vmap_chunk: int = runtime(option_field("vmap_chunk"))
+    threads: int = runtime_hp(
         1,
         "torch intra-op threads of the run (process workers always use 1); 0 = torch's default of one per core, "
         "shared among a sweep's jobs. 1 by default: see README, Performance",
         ge=0,
     )
-    client_store: str = hp(
+    client_store: str = runtime_hp(
         "auto",
         "per-client state in RAM or memory-mapped on disk; auto = disk above 2 GiB",
         choices=("auto", "memory", "disk"),
     )
-    name: str | None = hp(None, "run name prefix; None = ALGORITHM-SOURCE (the run directory is PREFIX-HASH-sSEED)")
-    out: str = hp("runs", "folder that holds run directories")
+    name: str | None = runtime_hp(
+        None, "run name prefix; None = ALGORITHM-SOURCE (the run directory is PREFIX-HASH-sSEED)"
+    )
+    out: str = runtime_hp("runs", "folder that holds run directories")
     data: DataConfig = field(default_factory=DataConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -118,16 +118,25 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return _drop_none(dataclasses.asdict(self))
 
+    def selected_algorithm(self) -> FedAlgorithm:
+        """The algorithm ``[algorithm]`` selects, its settings resolved (``hafedho.algorithms.resolve_algorithm``).
+
+        ``load_config`` and ``config_from_table`` already built it once, so a bad hyperparameter fails at load
+        for ``hafedho run``, sweeps and Flower alike; this raises ConfigError only for a table changed since.
+        """
+        return algorithm_from_table(self.algorithm)
+
+
+# The runtime half of the config, declared on its fields (``runtime_hp``); the rest is the experiment.
+RUNTIME_KEYS = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get("runtime"))
+
 
 def experiment_identity(cfg: Config) -> dict[str, Any]:
     """What a run computes, as plain data: the resolved config without ``RUNTIME_KEYS``, its ``[algorithm]``
-    reduced to the selected algorithm's complete hyperparameters (``hafedho.algorithms.resolve_algorithm``,
-    defaults filled in), so a setting given at the shared level, in the algorithm's own table, or left at its
-    default is one experiment, and another algorithm's table never matters. Raises ConfigError for a bad
-    ``[algorithm]``."""
-    from hafedho.algorithms import algorithm_from_table
-
-    alg = algorithm_from_table(cfg.algorithm)
+    reduced to the selected algorithm's complete hyperparameters (``Config.selected_algorithm``, defaults filled
+    in), so a setting given at the shared level, in the algorithm's own table, or left at its default is one
+    experiment, and another algorithm's table never matters. Raises ConfigError for a bad ``[algorithm]``."""
+    alg = cfg.selected_algorithm()
     ident = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS}
     ident["algorithm"] = {"name": alg.name, **{f.name: getattr(alg, f.name) for f in dataclasses.fields(alg)}}
     return ident
@@ -234,7 +243,11 @@ def config_from_table(table: dict[str, Any]) -> Config:
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks that need no data loaded."""
+    """Cross-field checks that need no data loaded, and the one check of ``[algorithm]``: the selected
+    algorithm is built (bad hyperparameters fail here, before any run starts) and only its own
+    ``[algorithm.NAME]`` table is kept (``hafedho.algorithms.applicable``: the others never apply to the run)."""
+    cfg.selected_algorithm()
+    cfg.algorithm = applicable(cfg.algorithm)
     if cfg.name is not None:
         check_run_name(cfg.name)
     s = cfg.sampling

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from hafedho.algorithms import algorithm_from_table
 from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
 from hafedho.core import FunctionalModel
 from hafedho.core.seeds import seed_for
@@ -63,7 +62,7 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
             module's ``architecture`` (a hash of its parameter shapes), so its directory name and its resume check
             see the user's model, never the default one.
     """
-    alg = algorithm_from_table(cfg.algorithm)  # fail on bad hyperparameters before loading any data
+    alg = cfg.selected_algorithm()  # checked when the config was loaded, before any data
     if module is None and cfg.model.name.startswith(CUSTOM):
         raise ConfigError(
             f"model.name={cfg.model.name!r} is a user module; pass it to hafedho.experiment.build(cfg, module=...)"

@@ -46,8 +46,9 @@ def resolve_algorithm(table: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     values; only the selected algorithm's table applies, so ``algorithm.name=fedavg`` never inherits HaFedHo's
     ``mu``. A shared key applies unless the selected table sets the same key to another value: that is refused
     with both keys named (never resolved silently). A shared key the selected algorithm does not have is refused
-    by ``build_algorithm``. The experiment builder, sweeps, run names and reports all read ``[algorithm]``
-    through this function.
+    by ``build_algorithm``. The config checks ``[algorithm]`` through this function once, when it is loaded
+    (``hafedho.config.Config.selected_algorithm``); run names, the experiment builder, sweeps, Flower and
+    reports all read it through this function.
     """
     name = table.get("name")
     if not isinstance(name, str):

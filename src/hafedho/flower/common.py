@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hafedho.config import CONFIG_DIR, Config, ConfigError, load_config
+from hafedho.config import CONFIG_DIR, Config, ConfigError, canonical_json, experiment_identity, load_config
 from hafedho.core import ClientData, ClientInfo, RoundInfo, tree
 from hafedho.flower.app import RUN_CONFIG_DEFAULTS  # the run config's keys and defaults, defined there
 from hafedho.sim.runner import Experiment
@@ -79,12 +79,12 @@ def set_threads(run_config: Mapping[str, Any]) -> None:
 
 
 def digest(exp: Experiment) -> str:
-    """A short hash of everything that determines the numbers: seed, data (not its path), partition, local work,
-    sampling, model, algorithm. Server and clients must agree on it."""
-    d = exp.cfg.to_dict()
-    data = {k: v for k, v in d["data"].items() if k != "path"}
-    keep = {k: d[k] for k in ("seed", "clients", "sampling", "model", "algorithm")}
-    text = json.dumps({**keep, "data": data, "partition": exp.partition["hash"]}, sort_keys=True, default=str)
+    """A short hash of everything that determines the numbers: the experiment (``experiment_identity``, seed
+    included) without the data's path (each node reads its own copy), and the partition it produced. Server and
+    clients must agree on it."""
+    ident = experiment_identity(exp.cfg)
+    ident["data"] = {k: v for k, v in ident["data"].items() if k != "path"}
+    text = canonical_json({**ident, "partition": exp.partition["hash"]})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,31 +75,8 @@ def _point_table(preset: Preset, point: dict[str, Any], sets: dict[str, Any], ex
     return deep_merge(deep_merge(table, nest(sets)), extra)
 
 
-def _prune_algorithm(table: dict[str, Any]) -> dict[str, Any]:
-    """Keep only the selected algorithm's ``[algorithm.NAME]`` table (the others never apply to this run)."""
-    from hafedho.algorithms import applicable
-
-    alg = table.get("algorithm")
-    if not isinstance(alg, dict) or not isinstance(alg.get("name"), str):
-        return table
-    return {**table, "algorithm": applicable(alg)}
-
-
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._" else "_" for c in text)
-
-
-_ALG_CACHE: set[str] = set()
-
-
-def check_algorithm(table: dict[str, Any]) -> None:
-    """Build the algorithm once per distinct table, so bad hyperparameters fail before any run starts."""
-    key = json.dumps(table, sort_keys=True, default=str)
-    if key not in _ALG_CACHE:
-        from hafedho.algorithms import algorithm_from_table
-
-        algorithm_from_table(table)
-        _ALG_CACHE.add(key)
 
 
 def expand(
@@ -108,12 +84,11 @@ def expand(
     seeds: int | None = None,
     overrides: Iterable[str] = (),
     out: str | None = None,
-    check: bool = True,
 ) -> list[RunSpec]:
     """Every run of the preset: grid points (then variants) x seeds, validated; duplicates removed.
 
     ``overrides`` are ``key=value`` strings: a grid axis is replaced by the value (or list of values); any other
-    key applies to every run, variants included. ``check`` also builds each algorithm (no data is loaded).
+    key applies to every run, variants included. Each config is checked as it is loaded (its algorithm too).
     """
     grid, extra = _split_overrides(overrides, preset.grid)
     n_seeds = preset.seeds if seeds is None else seeds
@@ -138,18 +113,13 @@ def expand(
             )
     specs: dict[str, RunSpec] = {}
     for label, point, sets, reference in points:
-        base = _prune_algorithm(_point_table(preset, point, sets, extra))
+        base = _point_table(preset, point, sets, extra)
         for seed in range(n_seeds):
             table = {**base, "seed": seed}
             try:
                 cfg = config_from_table(table)
             except ConfigError as e:
                 raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
-            if check:
-                try:
-                    check_algorithm(cfg.algorithm)
-                except ConfigError as e:
-                    raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
             row = label or str(cfg.algorithm["name"])
             cfg.name, cfg.out = f"{_slug(row)}-{_slug(cfg.data.source)}", out  # a prefix: see Config.run_name
             try:
