@@ -16,11 +16,11 @@ from tolerance import fp32_close, longest_reduction
 
 from hafedho.config import load_config
 from hafedho.core import RoundInfo, tree
-from hafedho.experiment import build
+from hafedho.experiment import Experiment, build
 from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import client_template, config_path
 from hafedho.sim import checkpoint
-from hafedho.sim.runner import Experiment, run
+from hafedho.sim.runner import run
 from hafedho.sim.seeds import seed_for
 from hafedho.sim.store import ClientStore
 

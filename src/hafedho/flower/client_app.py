@@ -23,6 +23,7 @@ from flwr.clientapp import ClientApp
 
 from hafedho.config import ConfigError
 from hafedho.core import RoundInfo, tree
+from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import (
     DATA_PATH,
@@ -37,7 +38,6 @@ from hafedho.flower.common import (
     server_template,
     set_threads,
 )
-from hafedho.sim.runner import Experiment
 from hafedho.sim.seeds import seed_for
 
 app = ClientApp()

@@ -1,6 +1,6 @@
 """What the ServerApp and the ClientApp share: run-config keys, the cached Experiment, templates, a digest.
 
-Both halves build the same :class:`~hafedho.sim.runner.Experiment` from the Flower run config (a hafedho config
+Both halves build the same :class:`~hafedho.experiment.Experiment` from the Flower run config (a hafedho config
 name or path plus ``key=value`` overrides), so the algorithm, model, partition, seeds and cohorts are those the
 simulator would use. Deployment-only facts are explicit: the server sends N and m with every message, each node
 names its partition in its node config (``partition-id``, ``num-partitions``), and a digest of the settings that
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from hafedho.config import CONFIG_DIR, Config, ConfigError, load_config
 from hafedho.core import ClientData, ClientInfo, RoundInfo, tree
-from hafedho.sim.runner import Experiment
+from hafedho.experiment import Experiment
 
 # Keys of ``[tool.flwr.app.config]`` (the run config) and their defaults.
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {

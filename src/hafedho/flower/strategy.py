@@ -36,11 +36,12 @@ from flwr.serverapp.strategy import Strategy
 from hafedho.config import ConfigError
 from hafedho.core import RoundInfo, tree
 from hafedho.core.model import evaluate
+from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, digest, upload_template
 from hafedho.results import RunBusy, RunLock, append_metrics, atomic_write_text, environment, write_json
 from hafedho.sim import checkpoint
-from hafedho.sim.runner import Divergence, Experiment, prepare_run_dir
+from hafedho.sim.runner import Divergence, prepare_run_dir
 
 
 class HafedhoStrategy(Strategy):

@@ -6,27 +6,25 @@ import math
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from hafedho.config import (
     Config,
     ConfigError,
-    cohort_size,
     config_from_table,
     dump_toml,
     experiment_identity,
     identity_diff,
     read_toml,
 )
-from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
+from hafedho.core import FedAlgorithm, RoundInfo, tree
 from hafedho.core.model import evaluate
-from hafedho.data.federated import BatchPlan, FederatedData
+from hafedho.data.federated import FederatedData
+from hafedho.experiment import Experiment
 from hafedho.results import (
     RunBusy,
     RunDirError,
@@ -40,7 +38,6 @@ from hafedho.results import (
 )
 from hafedho.sim import checkpoint
 from hafedho.sim.engines import Engine, RoundWork, make_engine
-from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.sim.store import ClientStore
 
 DISK_STORE_ABOVE = 2 * 1024**3  # client_store="auto": memory-map per-client state larger than this
@@ -52,28 +49,6 @@ class Divergence(RuntimeError):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a run; the message says which round ``--resume`` continues from."""
-
-
-@dataclass
-class Experiment:
-    """Everything a run needs, built from a config by ``hafedho.experiment.build``."""
-
-    cfg: Config
-    alg: FedAlgorithm
-    fed: FederatedData
-    model: FunctionalModel
-    partition: dict[str, Any]  # sizes, hash
-
-    @property
-    def plan(self) -> BatchPlan:
-        c = self.cfg.clients
-        return BatchPlan(c.local_steps, c.batch_size, c.local_epochs)
-
-    def cohort(self, rnd: int) -> np.ndarray:
-        s, n = self.cfg.sampling, self.fed.num_clients
-        if s.mode == "bernoulli":
-            return bernoulli_cohort(self.cfg.seed, rnd, n, s.prob)
-        return fixed_cohort(self.cfg.seed, rnd, n, cohort_size(self.cfg, n))
 
 
 @torch.no_grad()
