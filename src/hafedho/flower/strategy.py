@@ -40,8 +40,9 @@ from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, digest, upload_template
 from hafedho.results import RunBusy, RunLock, append_metrics, atomic_write_text, environment, write_json
+from hafedho.rounds import Divergence
+from hafedho.rundir import prepare_run_dir
 from hafedho.sim import checkpoint
-from hafedho.sim.runner import Divergence, prepare_run_dir
 
 
 class HafedhoStrategy(Strategy):
