@@ -1,4 +1,9 @@
-"""The run directory: what may be continued, what ``--force`` may delete, checkpoints with the client store."""
+"""``RunDir``: one run's directory, the one owner of what every runtime (simulator, Flower) writes into it.
+
+What may be continued (``prepare``: same experiment, never shortened), what ``--force`` may delete (only a run
+directory), the facts written once (``start``), the metrics rows, checkpoints with the client store, and the
+``done``/``diverged`` markers. The file layout and the atomic writes are ``hafedho.results``'.
+"""
 
 from __future__ import annotations
 
@@ -15,22 +20,19 @@ from hafedho.config import (
     identity_diff,
     read_toml,
 )
-from hafedho.results import RunDirError, atomic_write_text, read_metrics
+from hafedho.results import (
+    RunBusy,
+    RunDirError,
+    RunLock,
+    append_metrics,
+    atomic_write_text,
+    environment,
+    read_metrics,
+    truncate_metrics,
+    write_json,
+)
 from hafedho.sim import checkpoint
 from hafedho.sim.store import ClientStore
-
-
-def save_checkpoint(run_dir: Path, t: int, server: Any, store: ClientStore, wall: float) -> None:
-    """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it."""
-    extra: dict[str, Any] = {"wall_s": wall}
-    if store.path is None:
-        checkpoint.save(run_dir / "checkpoint.pt", t, server, store.state_dict(), extra)
-        return
-    store.snapshot(run_dir / f"store_r{t}")
-    checkpoint.save(run_dir / "checkpoint.pt", t, server, [], {**extra, "store_dir": f"store_r{t}"})
-    for old in run_dir.glob("store_r*"):  # only after the new checkpoint is in place
-        if old.name != f"store_r{t}":
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def check_same_experiment(run_dir: Path, cfg: Config) -> None:
@@ -113,3 +115,80 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> bo
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
     return False
+
+
+class RunDir:
+    """A run directory, written by one process at a time: ``acquire()`` (or ``with RunDir(path):``) takes its
+    ``RunLock`` and raises ``RunBusy`` while another writer holds it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.checkpoint = self.path / "checkpoint.pt"
+        self._lock = RunLock(self.path)
+
+    def acquire(self) -> None:
+        if not self._lock.__enter__():
+            raise RunBusy(
+                f"{self.path} is being written by another process (pid {self._lock.holder}); wait for it to end"
+            )
+
+    def release(self) -> None:
+        self._lock.__exit__()
+
+    def __enter__(self) -> RunDir:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def prepare(self, cfg: Config, resume: bool, force: bool) -> bool:
+        """``prepare_run_dir``: True when ``resume`` finds the run finished (then nothing is written)."""
+        return prepare_run_dir(self.path, cfg, resume, force)
+
+    def start(self, partition: dict[str, Any], facts: dict[str, Any]) -> None:
+        """A run (re)starts: clear the end markers, write the environment, the partition and ``run.json``."""
+        (self.path / "done").unlink(missing_ok=True)
+        (self.path / "diverged").unlink(missing_ok=True)
+        write_json(self.path / "env.json", environment())
+        write_json(self.path / "partition.json", partition)
+        write_json(self.path / "run.json", facts)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return read_metrics(self.path)
+
+    def append(self, row: dict[str, Any]) -> None:
+        append_metrics(self.path, row)
+
+    def truncate(self, last_round: int) -> None:
+        truncate_metrics(self.path, last_round)
+
+    def save_checkpoint(self, t: int, server: Any, store: ClientStore | None, extra: dict[str, Any]) -> None:
+        """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it.
+        Without a store (Flower: the client states live on the nodes) the checkpoint holds the server only."""
+        if store is None or store.path is None:
+            checkpoint.save(self.checkpoint, t, server, [] if store is None else store.state_dict(), extra)
+            return
+        store.snapshot(self.path / f"store_r{t}")
+        checkpoint.save(self.checkpoint, t, server, [], {**extra, "store_dir": f"store_r{t}"})
+        for old in self.path.glob("store_r*"):  # only after the new checkpoint is in place
+            if old.name != f"store_r{t}":
+                shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self, server: Any, store: ClientStore) -> tuple[int, Any, float]:
+        """``(first round to run, server state, wall seconds so far)`` from the checkpoint, the client states
+        restored into ``store``; ``(1, server, 0.0)`` when there is none."""
+        if not self.checkpoint.exists():
+            return 1, server, 0.0
+        done_round, server, store_leaves, extra = checkpoint.load(self.checkpoint, server)
+        if "store_dir" in extra:
+            store.restore(self.path / extra["store_dir"])
+        else:
+            store.load_state_dict(store_leaves)
+        return done_round + 1, server, float(extra.get("wall_s", 0.0))
+
+    def mark_done(self) -> None:
+        atomic_write_text(self.path / "done", "")
+
+    def mark_diverged(self, text: str) -> None:
+        atomic_write_text(self.path / "diverged", text + "\n")
