@@ -112,7 +112,8 @@ def simulate_with_drops(exp: Experiment, drops: dict[int, set[int]]) -> dict[str
             agg.add(tree.detach(res.upload), res.weight)
             store.scatter(cid, res.state)
             like, used = res.upload, used + 1
-        server, _ = alg.server_update(server, agg.result(like) if used else None, RoundInfo(t, fed.num_clients, used))
+        if used:  # nobody reported: the runtime skips the server update
+            server, _ = alg.server_update(server, agg.result(like), RoundInfo(t, fed.num_clients, used))
     return alg.eval_params(server)
 
 

@@ -141,12 +141,6 @@ def test_padded_steps_are_no_ops() -> None:
     )
 
 
-def test_empty_round_keeps_server_state() -> None:
-    alg = FedDyn()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

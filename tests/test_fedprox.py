@@ -83,12 +83,6 @@ def test_padded_steps_are_no_ops() -> None:
     assert torch.equal(a.upload.delta["w"], b.upload.delta["w"])
 
 
-def test_empty_round_keeps_server_state() -> None:
-    alg = FedProx()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

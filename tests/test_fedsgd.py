@@ -104,12 +104,6 @@ def test_equals_fedavg_with_one_full_batch_step(weighting: str) -> None:
             assert torch.allclose(ss.params["w"], fs.params["w"], atol=1e-6)
 
 
-def test_empty_round_keeps_server_state() -> None:
-    alg = FedSGD()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -171,12 +171,6 @@ def test_momentum_is_frozen_during_local_steps() -> None:
     assert close(msg.m, [1.0, -2.0])  # the broadcast is not written into
 
 
-def test_empty_round_keeps_server_state() -> None:
-    alg = MimeLite()
-    s = ServerState(w(1.0, 2.0), w(0.5, 0.5))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -142,12 +142,6 @@ def test_option1_is_one_pass_over_all_local_data_by_hand() -> None:
     assert SCAFFOLD(control="option1").needs_full_pass and not SCAFFOLD().needs_full_pass
 
 
-def test_empty_round_keeps_server_state() -> None:
-    alg = SCAFFOLD()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s
-
-
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

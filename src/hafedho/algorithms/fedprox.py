@@ -91,6 +91,4 @@ class FedProx(FedAlgorithm):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: nothing to apply
-            return server, {}
         return ServerState(tree.add(server.params, agg.delta)), {}

@@ -141,6 +141,4 @@ class MOON(FedAlgorithm):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: nothing to apply
-            return server, {}
         return ServerState(tree.add(server.params, agg.delta)), {}

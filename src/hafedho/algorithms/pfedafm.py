@@ -136,8 +136,6 @@ class PFedAFM(FedAlgorithm):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: nothing to apply
-            return server, {}
         return ServerState(tree.add(server.params, agg.delta)), {}
 
     def predict(self, server: ServerState, client_state: ClientState, model: Model, x: Tensor) -> Tensor:
