@@ -4,11 +4,12 @@ A runtime only moves messages. Per round it calls
 
     rnd, msg = rounds.begin(t, m)             broadcast of the server state (the round's clock starts)
     ... the cohort runs (an engine, or Flower nodes), streamed into a ``CohortStream`` in client-id order ...
-    row = rounds.finish_round(t, out, m')     server_update (skipped when nobody reported), divergence check, row
+    row = rounds.finish_round(t, out, m', r)  server_update (skipped when nobody reported), divergence check, row
     rounds.evaluate(t, row, ...)              global (and pooled personal) accuracy on evaluation rounds
     rounds.commit(t, row, store)              the row into metrics.jsonl, a checkpoint on checkpoint rounds
 
-and writes ``run_facts`` into ``run.json`` once per run.
+(m: sampled clients, m': those whose uploads were aggregated, r: those the broadcast reached) and writes
+``run_facts`` into ``run.json`` once per run.
 """
 
 from __future__ import annotations
@@ -103,17 +104,21 @@ class ServerRounds:
         self.checkpoint_extra = dict(checkpoint_extra or {})
         self.rows: list[dict[str, Any]] = []  # every row committed by this process
         self._t0 = time.perf_counter()
+        self._msg_bytes = 0  # of this round's broadcast
         self._test: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def begin(self, t: int, cohort_size: int) -> tuple[RoundInfo, Any]:
         """Round ``t`` starts with ``cohort_size`` sampled clients: its ``RoundInfo`` and the broadcast."""
         self._t0 = time.perf_counter()
         rnd = RoundInfo(t, self.exp.fed.num_clients, cohort_size)
-        return rnd, self.exp.alg.broadcast(self.server, rnd)
+        msg = self.exp.alg.broadcast(self.server, rnd)
+        self._msg_bytes = tree.num_bytes(msg)
+        return rnd, msg
 
-    def finish_round(self, t: int, out: CohortResult, reported: int, bytes_down: int, **extra: Any) -> dict[str, Any]:
+    def finish_round(self, t: int, out: CohortResult, reported: int, reached: int, **extra: Any) -> dict[str, Any]:
         """Round ``t``'s cohort is in: ``server_update`` with m = ``reported``, the divergence check, and the
-        metrics row (cohort means of the clients' metrics, server metrics, ``extra``, wall time and bytes).
+        metrics row (cohort means of the clients' metrics, server metrics, ``extra``, wall time, the bytes
+        uploaded and the broadcast's bytes times the ``reached`` clients).
 
         Nobody reported (``out.aggregate`` is None): the round did not happen, the server state stays.
         """
@@ -125,7 +130,7 @@ class ServerRounds:
         row: dict[str, Any] = {"round": t, "cohort_size": reported, **out.metrics, **server_metrics, **extra}
         self._check_finite(t, row)
         self.wall += time.perf_counter() - self._t0
-        row.update({"wall_s": round(self.wall, 4), "bytes_up": out.bytes_up, "bytes_down": bytes_down})
+        row.update({"wall_s": round(self.wall, 4), "bytes_up": out.bytes_up, "bytes_down": reached * self._msg_bytes})
         return row
 
     def _check_finite(self, t: int, row: dict[str, Any]) -> None:

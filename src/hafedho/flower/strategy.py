@@ -32,7 +32,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from hafedho.config import ConfigError
-from hafedho.core import tree
 from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, digest, upload_template
@@ -182,7 +181,7 @@ class HafedhoStrategy(Strategy):
             messages.append(
                 Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(server_round))
             )
-        self._round = {"cohort": cohort, "bytes_down": len(messages) * tree.num_bytes(msg)}
+        self._round = {"cohort": cohort, "reached": len(messages)}
         log(INFO, "configure_train: round %d, cohort %s, %d nodes reached", server_round, cohort, len(messages))
         return messages
 
@@ -231,8 +230,8 @@ class HafedhoStrategy(Strategy):
         if len(used) < len(cohort):
             extra = {"sampled": len(cohort), "dropped": sorted(set(cohort) - set(used))}
             log(WARNING, "round %d: aggregated %d of %d clients", server_round, len(used), len(cohort))
-        bytes_down = self._round.get("bytes_down", 0)
-        row = self.rounds.finish_round(server_round, stream.result(), len(used), bytes_down, **extra)
+        reached = self._round.get("reached", 0)
+        row = self.rounds.finish_round(server_round, stream.result(), len(used), reached, **extra)
         self._round["row"] = row
         numeric = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         return codec.encode(self.server), MetricRecord(numeric)

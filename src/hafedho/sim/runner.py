@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hafedho.core import tree
 from hafedho.experiment import Experiment
 from hafedho.results import RunDirError, read_metrics
 from hafedho.rounds import Divergence, ServerRounds, run_facts
@@ -91,7 +90,7 @@ def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool,
         cohort = exp.cohort(t)
         rnd, msg = rounds.begin(t, len(cohort))
         out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
-        row = rounds.finish_round(t, out, len(cohort), len(cohort) * tree.num_bytes(msg))
+        row = rounds.finish_round(t, out, len(cohort), len(cohort))
         ev = rounds.evaluate(t, row, store.gather)
         if ev is not None:
             bar.set_postfix(acc=f"{ev['acc']:.3f}")
