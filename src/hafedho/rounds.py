@@ -138,7 +138,7 @@ class ServerRounds:
         if bad or not tree.all_finite(self.exp.alg.eval_params(self.server)):
             what = f"{bad[0]} is {row[bad[0]]}" if bad else "the global model has non-finite values"
             kept = self.run_dir is not None and self.checkpointed > 0
-            good = f"round {self.checkpointed} in {self.run_dir.checkpoint}" if kept else "none"
+            good = f"round {self.checkpointed} in {self.run_dir.checkpoint_path}" if kept else "none"
             hint = "lower algorithm.lr or the algorithm's coefficients"
             text = f"run diverged at round {t}: {what} ({hint}); last good checkpoint: {good}"
             if self.run_dir is not None:

@@ -123,7 +123,7 @@ class RunDir:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.checkpoint = self.path / "checkpoint.pt"
+        self.checkpoint_path = self.path / "checkpoint.pt"
         self._lock = RunLock(self.path)
 
     def acquire(self) -> None:
@@ -167,10 +167,10 @@ class RunDir:
         """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it.
         Without a store (Flower: the client states live on the nodes) the checkpoint holds the server only."""
         if store is None or store.path is None:
-            checkpoint.save(self.checkpoint, t, server, [] if store is None else store.state_dict(), extra)
+            checkpoint.save(self.checkpoint_path, t, server, [] if store is None else store.state_dict(), extra)
             return
         store.snapshot(self.path / f"store_r{t}")
-        checkpoint.save(self.checkpoint, t, server, [], {**extra, "store_dir": f"store_r{t}"})
+        checkpoint.save(self.checkpoint_path, t, server, [], {**extra, "store_dir": f"store_r{t}"})
         for old in self.path.glob("store_r*"):  # only after the new checkpoint is in place
             if old.name != f"store_r{t}":
                 shutil.rmtree(old, ignore_errors=True)
@@ -178,9 +178,9 @@ class RunDir:
     def resume(self, server: Any, store: ClientStore) -> tuple[int, Any, float]:
         """``(first round to run, server state, wall seconds so far)`` from the checkpoint, the client states
         restored into ``store``; ``(1, server, 0.0)`` when there is none."""
-        if not self.checkpoint.exists():
+        if not self.checkpoint_path.exists():
             return 1, server, 0.0
-        done_round, server, store_leaves, extra = checkpoint.load(self.checkpoint, server)
+        done_round, server, store_leaves, extra = checkpoint.load(self.checkpoint_path, server)
         if "store_dir" in extra:
             store.restore(self.path / extra["store_dir"])
         else:
