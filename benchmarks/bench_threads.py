@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from hafedho.config import CONFIG_DIR, load_config
-from hafedho.experiment import build
+from hafedho.experiment import Experiment, build
 from hafedho.sim.engines.base import available_cores
-from hafedho.sim.runner import Experiment, run
+from hafedho.sim.runner import run
 
 START, END = "<!-- bench_threads: start -->", "<!-- bench_threads: end -->"
 # a busy loop that ends after `secs`, or as soon as the benchmark (its parent) is gone

@@ -17,11 +17,11 @@ from tolerance import fp32_close, longest_reduction
 from hafedho.config import load_config
 from hafedho.core import RoundInfo, tree
 from hafedho.core.seeds import seed_for
-from hafedho.experiment import build
+from hafedho.experiment import Experiment, build
 from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import client_template, config_path
 from hafedho.sim import checkpoint
-from hafedho.sim.runner import Experiment, run
+from hafedho.sim.runner import run
 from hafedho.sim.store import ClientStore
 
 
@@ -112,7 +112,8 @@ def simulate_with_drops(exp: Experiment, drops: dict[int, set[int]]) -> dict[str
             agg.add(tree.detach(res.upload), res.weight)
             store.scatter(cid, res.state)
             like, used = res.upload, used + 1
-        server, _ = alg.server_update(server, agg.result(like) if used else None, RoundInfo(t, fed.num_clients, used))
+        if used:  # nobody reported: the runtime skips the server update
+            server, _ = alg.server_update(server, agg.result(like), RoundInfo(t, fed.num_clients, used))
     return alg.eval_params(server)
 
 

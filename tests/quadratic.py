@@ -123,7 +123,9 @@ def run_round(
     r = rnd(t, len(cohort), n=num_clients)
     data = {i: client_data(A[i], steps) for i in cohort} if data is None else data
     results = client_updates(alg, alg.broadcast(server, r), states, cohort, r, data, sizes, model)
-    server, _ = alg.server_update(server, mean_upload(results), r)
+    agg = mean_upload(results)
+    if agg is not None:  # nobody reported: the runtime skips the server update
+        server, _ = alg.server_update(server, agg, r)
     return server, results
 
 

@@ -2,7 +2,8 @@
 
 A new algorithm file is checked here the moment it is registered: finite metrics, a falling loss on a
 synthetic federated problem, stable state shapes and dtypes, bit-identical checkpoint/resume, honest byte
-counts, a two-round CLI run, and one-line refusals of bad hyperparameters derived from each ``hp`` declaration.
+counts, empty rounds that change nothing, a two-round CLI run, and one-line refusals of bad hyperparameters derived
+from each ``hp`` declaration.
 """
 
 from __future__ import annotations
@@ -87,6 +88,23 @@ def test_state_shapes_stable_resume_identical_and_bytes_honest(tmp_path: Path, a
     for row in a_rows:
         assert row["bytes_down"] == row["cohort_size"] * tree.num_bytes(msg)
         assert row["bytes_up"] > 0
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_an_empty_round_leaves_the_server_state_unchanged(tmp_path: Path, alg: str) -> None:
+    """Nobody sampled (Bernoulli participation): the runtime skips ``server_update``, so no algorithm needs a
+    None case; the rows say the round happened with nobody, and the checkpoint is the initial server state."""
+    exp = build(smoke(tmp_path, alg, "sampling.mode='bernoulli'", "sampling.prob=0.0001"))
+    assert all(len(exp.cohort(t)) == 0 for t in (1, 2))
+    init = pytree.tree_leaves(exp.alg.init_server(exp.model.params()))
+    run(exp, tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert [(r["cohort_size"], r["bytes_up"], r["bytes_down"]) for r in rows] == [(0, 0, 0), (0, 0, 0)]
+    assert not any(k.startswith(("server/", "train/")) for r in rows for k in r)
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert len(ckpt["server"]) == len(init) and all(
+        torch.equal(a, b) for a, b in zip(ckpt["server"], init, strict=True)
+    )
 
 
 @pytest.mark.parametrize("alg", ALGS)

@@ -52,12 +52,3 @@ def test_beta_zero_is_fedavg_exactly(weighting: str, server_lr: float) -> None:
             assert torch.equal(ms.params["w"], fs.params["w"])
         else:
             assert torch.allclose(ms.params["w"], fs.params["w"], atol=1e-7)
-
-
-def test_empty_round_keeps_state() -> None:
-    """No upload: x and v stay exactly (v is not decayed), and the next round continues from them."""
-    alg = FedAvgM(lr=0.5, beta=0.5, server_lr=0.5)
-    s1, _ = run_round(alg, alg.init_server(w(0.0, 0.0)), {i: () for i in A}, [1, 2], 1)
-    s_empty, _ = run_round(alg, s1, {i: () for i in A}, [], 2)
-    assert s_empty is s1
-    assert alg.server_update(s1, None, rnd(2, 0)) == (s1, {})

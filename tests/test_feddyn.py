@@ -138,9 +138,3 @@ def test_padded_steps_are_no_ops() -> None:
     assert torch.equal(a.upload.delta["w"], b.upload.delta["w"]) and torch.equal(
         a.state.grad_l["w"], b.state.grad_l["w"]
     )
-
-
-def test_empty_round_keeps_server_state() -> None:
-    alg = FedDyn()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s

@@ -350,10 +350,7 @@ def test_layer_groups() -> None:
     }
 
 
-def test_empty_round_and_bad_hyperparameters() -> None:
-    alg = FedLWS()
-    s = alg.init_server(W0)
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s
+def test_bad_hyperparameters() -> None:
     with pytest.raises(ConfigError, match=r"^algorithm\.tau_min=0\.3: must be <= algorithm\.tau_max=0\.2$"):
         FedLWS(tau_min=0.3)
     with pytest.raises(ConfigError, match=r"^algorithm\.beta=-1\.0: must be >= 0$"):

@@ -80,9 +80,3 @@ def test_padded_steps_are_no_ops() -> None:
     a = alg.client_update(msg, (), client_data(A[1], 2), info(0.25, 1), rnd(1, 1), MODEL)
     b = alg.client_update(msg, (), client_data(A[1], 5, real_steps=2), info(0.25, 1), rnd(1, 1), MODEL)
     assert torch.equal(a.upload.delta["w"], b.upload.delta["w"])
-
-
-def test_empty_round_keeps_server_state() -> None:
-    alg = FedProx()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s

@@ -102,9 +102,3 @@ def test_equals_fedavg_with_one_full_batch_step(weighting: str) -> None:
         sgd = rounds(alg, COHORTS, w(0.2, -0.4), data=data)
         for (ss, _, _), (fs, _, _) in zip(sgd, avg, strict=True):
             assert torch.allclose(ss.params["w"], fs.params["w"], atol=1e-6)
-
-
-def test_empty_round_keeps_server_state() -> None:
-    alg = FedSGD()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s

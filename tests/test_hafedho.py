@@ -138,9 +138,3 @@ def test_lambda_mu_logged_and_warned() -> None:
         assert HaFedHo(mu=0.01).run_notes(10) == {"lambda_mu": pytest.approx(0.1)}
     with pytest.warns(UserWarning, match=r"lambda\*mu = 20\*0.1 = 2 >= 1"):
         HaFedHo(mu=0.1).run_notes(20)
-
-
-def test_empty_round_keeps_server_state() -> None:
-    alg = HaFedHo()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s

@@ -1,6 +1,6 @@
 """The import rules of DESIGN.md: core imports nothing else of the package; algorithms import only core, and
 FedAvg's module (the base class the other algorithms subclass); data does not import the simulator; engines
-import only their base; no import cycle anywhere."""
+import only their base; Flower does not import the simulator's runner; no import cycle anywhere."""
 
 from __future__ import annotations
 
@@ -179,3 +179,26 @@ def test_report_reads_sweeps_only_through_their_index(path: Path) -> None:
 @pytest.mark.parametrize("path", sorted((SRC / "sweep").glob("*.py")), ids=lambda p: p.name)
 def test_sweep_never_imports_the_report(path: Path) -> None:
     assert not any(m.startswith("hafedho.report") for m in package_imports(path)), package_imports(path)
+
+
+def imported_names(path: Path) -> set[str]:
+    """``package_imports`` plus ``from PACKAGE import MODULE`` spelled as ``PACKAGE.MODULE``."""
+    names = package_imports(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hafedho"):
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+SHARED_BY_RUNTIMES = ("experiment.py", "rounds.py", "rundir.py", "results.py")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((SRC / "flower").glob("*.py")) + [SRC / name for name in SHARED_BY_RUNTIMES],
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_flower_and_the_shared_round_code_do_not_import_the_simulators_runner(path: Path) -> None:
+    """One round loop: Flower and the simulator share ``rounds``/``rundir``/``experiment``; neither those nor
+    Flower reach into the simulator's own loop (``hafedho.sim.runner``)."""
+    assert "hafedho.sim.runner" not in imported_names(path), imported_names(path)

@@ -169,9 +169,3 @@ def test_momentum_is_frozen_during_local_steps() -> None:
     res = alg.client_update(msg, (), client_data(A[3], 3), info(0.5, 2.0), rnd(1, 1), MODEL)
     assert close(res.upload.delta, [-0.578125, 1.15625]) and close(res.upload.grad, [0.0, 0.0])
     assert close(msg.m, [1.0, -2.0])  # the broadcast is not written into
-
-
-def test_empty_round_keeps_server_state() -> None:
-    alg = MimeLite()
-    s = ServerState(w(1.0, 2.0), w(0.5, 0.5))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s

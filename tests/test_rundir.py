@@ -238,17 +238,17 @@ def test_bad_places_and_values_are_one_line(
 def test_ctrl_c_says_where_to_resume_and_resume_matches(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hafedho.sim.runner as runner
+    import hafedho.rundir as rundir
 
     assert smoke(tmp_path / "a", "rounds=6") == 0
-    real = runner.append_metrics
+    real = rundir.append_metrics
 
     def append(run_dir: Path, row: dict[str, Any]) -> None:
         if row["round"] == 4:  # Ctrl-C in round 4: rounds 1-3 logged, last checkpoint at round 2
             raise KeyboardInterrupt
         real(run_dir, row)
 
-    monkeypatch.setattr(runner, "append_metrics", append)
+    monkeypatch.setattr(rundir, "append_metrics", append)
     capsys.readouterr()
     assert smoke(tmp_path / "b", "rounds=6", "checkpoint_every=2") == 130
     err = capsys.readouterr().err
@@ -256,7 +256,7 @@ def test_ctrl_c_says_where_to_resume_and_resume_matches(
         f"hafedho: {run_in(tmp_path / 'b')}: interrupted at round 3; continue with --resume "
         "(from the checkpoint of round 2; round 3 is recomputed identically)\n"
     )
-    monkeypatch.setattr(runner, "append_metrics", real)
+    monkeypatch.setattr(rundir, "append_metrics", real)
     assert smoke(tmp_path / "b", "rounds=6", "checkpoint_every=2", "--resume") == 0
 
     def no_wall(rows: list[dict]) -> list[dict]:

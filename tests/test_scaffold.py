@@ -138,9 +138,3 @@ def test_option1_is_one_pass_over_all_local_data_by_hand() -> None:
     assert close(r1[1].upload.dy, [1.125, 0.75]) and close(r1[2].upload.dy, [0.0, -1.0])
     assert close(s1.params, [0.5625, -0.125]) and close(s1.c, [0.0, 1 / 3])
     assert SCAFFOLD(control="option1").needs_full_pass and not SCAFFOLD().needs_full_pass
-
-
-def test_empty_round_keeps_server_state() -> None:
-    alg = SCAFFOLD()
-    s = alg.init_server(w(1.0, 2.0))
-    assert alg.server_update(s, None, rnd(1, 0))[0] is s

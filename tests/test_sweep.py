@@ -300,10 +300,10 @@ def test_cpu_preset_full_grid_two_rounds(name: str, shared_data: Path, tmp_path:
 def test_ctrl_c_ends_a_sweep_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hafedho.sim.runner as runner
+    import hafedho.rundir as rundir
 
     path = tiny(tmp_path)
-    real = runner.append_metrics
+    real = rundir.append_metrics
     calls = []
 
     def append(run_dir: Path, row: dict) -> None:
@@ -312,13 +312,13 @@ def test_ctrl_c_ends_a_sweep_with_one_line(
             raise KeyboardInterrupt
         real(run_dir, row)
 
-    monkeypatch.setattr(runner, "append_metrics", append)
+    monkeypatch.setattr(rundir, "append_metrics", append)
     assert main(["sweep", str(path), "--quiet"]) == 130
     assert capsys.readouterr().err == (
         "hafedho: sweep interrupted with 1 of 4 runs done; run the same command again to continue "
         "(finished runs are skipped, interrupted ones resume from their last checkpoint)\n"
     )
-    monkeypatch.setattr(runner, "append_metrics", real)
+    monkeypatch.setattr(rundir, "append_metrics", real)
     assert main(["sweep", str(path), "--quiet"]) == 0
     assert "3 done, 1 skipped" in capsys.readouterr().out
 

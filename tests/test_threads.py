@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from hafedho import rounds
 from hafedho.config import CONFIG_DIR, RUNTIME_KEYS, Config, load_config
 from hafedho.core import ConfigError
 from hafedho.experiment import build
@@ -20,13 +21,13 @@ from hafedho.sweep import execute as sweep
 def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records torch's thread count at each evaluation of a run."""
     seen: list[int] = []
-    evaluate = runner.evaluate
+    evaluate = rounds.evaluate
 
     def spying(*args: Any, **kw: Any) -> Any:
         seen.append(torch.get_num_threads())
         return evaluate(*args, **kw)
 
-    monkeypatch.setattr(runner, "evaluate", spying)
+    monkeypatch.setattr(rounds, "evaluate", spying)
     return seen
 
 
@@ -59,7 +60,7 @@ def test_threads_are_restored_when_a_run_fails(tmp_path: Path, monkeypatch: pyte
     def boom(*args: Any, **kw: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "evaluate", boom)
+    monkeypatch.setattr(rounds, "evaluate", boom)
     with pytest.raises(KeyboardInterrupt):
         runner.run(build(smoke(tmp_path, "threads=2")), tmp_path / "run", progress=False)
     assert torch.get_num_threads() == 1

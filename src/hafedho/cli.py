@@ -29,7 +29,7 @@ def run_one(cfg: Config, resume: bool = False, force: bool = False, progress: bo
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hafedho.sim.runner import is_finished
+    from hafedho.rundir import is_finished
 
     cfg = load_config(_config_path(args.config), args.overrides)
     if args.out:

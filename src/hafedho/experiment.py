@@ -6,19 +6,43 @@ import copy
 import hashlib
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
-from hafedho.core import FunctionalModel
+from hafedho.config import Config, ConfigError, ModelConfig, canonical_json, cohort_size
+from hafedho.core import FedAlgorithm, FunctionalModel
 from hafedho.core.seeds import seed_for
 from hafedho.data import partition as P
-from hafedho.data.federated import FederatedData, split_local_test
+from hafedho.data.federated import BatchPlan, FederatedData, split_local_test
 from hafedho.data.sources import Dataset, load_dataset
 from hafedho.models import build_model
-from hafedho.sim.runner import Experiment
+from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
+
+
+@dataclass
+class Experiment:
+    """Everything a run needs, built from a config by ``hafedho.experiment.build``."""
+
+    cfg: Config
+    alg: FedAlgorithm
+    fed: FederatedData
+    model: FunctionalModel
+    partition: dict[str, Any]  # sizes, hash
+
+    @property
+    def plan(self) -> BatchPlan:
+        c = self.cfg.clients
+        return BatchPlan(c.local_steps, c.batch_size, c.local_epochs)
+
+    def cohort(self, rnd: int) -> np.ndarray:
+        s, n = self.cfg.sampling, self.fed.num_clients
+        if s.mode == "bernoulli":
+            return bernoulli_cohort(self.cfg.seed, rnd, n, s.prob)
+        return fixed_cohort(self.cfg.seed, rnd, n, cohort_size(self.cfg, n))
 
 
 def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:

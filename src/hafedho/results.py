@@ -8,6 +8,7 @@
     RUN/checkpoint.pt    everything needed to continue bit-identically
     RUN/done             written last; RUN/diverged holds the message of a run stopped by NaN
 
+These are the files' formats and primitives; ``hafedho.rundir.RunDir`` is what runtimes write them through.
 Every file is written atomically (a temporary file unique to the writer, then a rename), so a killed process
 never leaves half a file. One process at a time writes a run: ``RunLock`` (``OUT/.locks/NAME.lock``).
 """
@@ -111,10 +112,11 @@ class RunBusy(RunDirError):
 
 
 class RunLock:
-    """An advisory lock per run (``OUT/.locks/NAME.lock``) that every writer of a run takes (``sim.runner.run``,
-    so ``hafedho run``, demos and sweeps). The OS drops it when the holder dies, so a killed process never leaves
-    a stale lock. ``with RunLock(d) as held``: ``held`` is False when someone else holds it (even in this
-    process); the holder's pid is then in ``holder``. Without ``fcntl`` (Windows) every run counts as unlocked."""
+    """An advisory lock per run (``OUT/.locks/NAME.lock``) that every writer of a run takes through
+    ``hafedho.rundir.RunDir`` (the simulator's ``run``, so ``hafedho run``, demos and sweeps; the Flower strategy).
+    The OS drops it when the holder dies, so a killed process never leaves a stale lock. ``with RunLock(d) as
+    held``: ``held`` is False when someone else holds it (even in this process); the holder's pid is then in
+    ``holder``. Without ``fcntl`` (Windows) every run counts as unlocked."""
 
     def __init__(self, run_dir: Path) -> None:
         run_dir = Path(run_dir)

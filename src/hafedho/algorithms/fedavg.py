@@ -111,6 +111,4 @@ class FedAvg(FedAlgorithm):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round (Bernoulli participation): nothing to apply
-            return server, {}
         return ServerState(tree.axpy(self.server_lr, agg.delta, server.params)), {}

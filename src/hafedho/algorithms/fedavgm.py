@@ -60,8 +60,6 @@ class FedAvgM(FedAvg):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # nobody reported: the round did not happen
-            return server, {}
         v = tree.axpy(self.beta, server.v, tree.scale(agg.delta, -1.0))  # beta v + Delta_w, Delta_w = -mean Delta_i
         params = tree.axpy(-self.server_lr, v, server.params)
         return ServerState(params, v), {"server/v_norm": float(tree.sq_norm(v).sqrt())}

@@ -144,8 +144,6 @@ class FedDyn(FedAvg):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: theta and h stay
-            return server, {}
         h = tree.axpy(-self.alpha * rnd.cohort_size / rnd.num_clients, agg.delta, server.h)
         params = tree.axpy(-1.0 / self.alpha, h, tree.add(server.params, agg.delta))
         return ServerState(params, h), {"server/h_norm": float(tree.sq_norm(h).sqrt())}

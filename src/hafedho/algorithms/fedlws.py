@@ -183,8 +183,6 @@ class FedLWS(FedAvg):
     def server_update(
         self, server: ServerState, agg: Aggregate | Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: nothing to apply
-            return server, {}
         w, step = server.params, tree.scale(agg.delta, self.server_lr)
         new, gammas, ratios = {}, [], []
         for key, names in layer_groups(list(w), self.layers).items():

@@ -86,6 +86,4 @@ class FedSGD(FedAvg):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # nobody reported: the round did not happen
-            return server, {}
         return ServerState(tree.axpy(-self.lr, agg.grad, server.params)), {}

@@ -142,8 +142,6 @@ class HaFedHo(FedAlgorithm):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # nobody took part: the round did not happen
-            return server, {}
         eta = self.lr if self.eta is None else self.eta
         params = tree.axpy(-eta, agg.g_i, server.params)
         return ServerState(params, agg.g_i, agg.f_hat_i), {"server/g_norm": float(tree.sq_norm(agg.g_i).sqrt())}

@@ -121,8 +121,6 @@ class MimeLite(FedAvg):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # nobody reported: the round did not happen
-            return server, {}
         params = tree.axpy(self.server_lr, agg.delta, server.params)
         m = tree.axpy(self.grad_coef, agg.grad, tree.scale(server.m, self.beta))
         return ServerState(params, m), {"server/m_norm": float(tree.sq_norm(m).sqrt())}

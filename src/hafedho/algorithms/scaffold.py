@@ -122,8 +122,6 @@ class SCAFFOLD(FedAvg):
     def server_update(
         self, server: ServerState, agg: Upload | None, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
-        if agg is None:  # an empty round: x and c stay
-            return server, {}
         params = tree.axpy(self.server_lr, agg.dy, server.params)
         c = tree.axpy(rnd.cohort_size / rnd.num_clients, agg.dc, server.c)
         return ServerState(params, c), {"server/c_norm": float(tree.sq_norm(c).sqrt())}

@@ -1,10 +1,10 @@
 """The Flower ClientApp: a SuperNode's half of any registered algorithm.
 
-``train`` runs exactly the simulator's client step (``hafedho.sim.engines.loop_engine``): the torch seed
-``seed_for(seed, "client_torch", t, i)``, the data ``fed.client_data(seed, t, i, plan, full=alg.needs_full_pass)``
-and ``alg.client_update``. The client's ``ClientState`` lives in ``context.state``, which the SuperNode keeps for the
-run. The node's partition (= the simulator's client id) and N come from its node config and are checked against
-what the server sends; nothing is guessed.
+``train`` runs exactly the simulator's client step, ``RoundWork.client_update`` (its seeding, its data,
+``alg.client_update``), and ``evaluate`` the simulator's ``hafedho.rounds.client_accuracy``. The client's
+``ClientState`` lives in ``context.state``, which the SuperNode keeps for the run. The node's partition (= the
+simulator's client id) and N come from its node config and are checked against what the server sends; nothing
+is guessed.
 
 Messages (record keys):
     query     in: -                                 out: ``hafedho`` {partition-id, num-partitions}
@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 
 from hafedho.config import ConfigError
 from hafedho.core import RoundInfo, tree
-from hafedho.core.seeds import seed_for
+from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import (
     DATA_PATH,
@@ -38,7 +38,8 @@ from hafedho.flower.common import (
     server_template,
     set_threads,
 )
-from hafedho.sim.runner import Experiment
+from hafedho.rounds import client_accuracy
+from hafedho.sim.engines.base import RoundWork
 
 app = ClientApp()
 
@@ -92,9 +93,8 @@ def train(msg: Message, context: Context) -> Message:
     bmsg = codec.decode(msg.content.array_records["broadcast"], broadcast_template(exp))
     state = _client_state(exp, context)
     model.train()
-    torch.manual_seed(seed_for(cfg.seed, "client_torch", t, cid))  # dropout: pure in (seed, t, i), as simulated
-    data = fed.client_data(cfg.seed, t, cid, exp.plan, full=alg.needs_full_pass)  # as RoundWork.client_update
-    res = alg.client_update(bmsg, state, data, client_info(exp, cid, context.node_config), rnd, model)
+    work = RoundWork(alg, bmsg, fed, exp.plan, model, rnd, cfg.seed)  # the simulator's seeded client step
+    res = work.client_update(cid, state, client_info(exp, cid, context.node_config))
     context.state[STATE_KEY] = codec.encode(tree.detach(res.state))
     weight = torch.as_tensor(res.weight).detach()
     content = RecordDict(
@@ -111,18 +111,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Accuracy of this client's deployed model (``alg.predict``) on its held-out local data."""
     exp = _experiment(context)
-    alg, fed, model = exp.alg, exp.fed, exp.model
     cid, _ = _check(exp, context, msg.content.config_records["config"])
     server = codec.decode(msg.content.array_records["server"], server_template(exp))
-    correct = total = 0
-    idx = fed.local_test[cid] if fed.local_test is not None else []
-    if len(idx):
-        was_training = model.module.training
-        model.module.eval()
-        with torch.no_grad():
-            rows = torch.from_numpy(idx)
-            logits = alg.predict(server, _client_state(exp, context), model, fed.preprocess(fed.x_train[rows]))
-            correct = int((logits.argmax(1) == fed.y_train[rows]).sum())
-        model.module.train(was_training)
-        total = len(idx)
+    correct, total = client_accuracy(exp, server, cid, _client_state(exp, context))
     return Message(RecordDict({"metrics": MetricRecord({"correct": correct, "total": total})}), reply_to=msg)

@@ -1,6 +1,6 @@
 """What the ServerApp and the ClientApp share: run-config keys, the cached Experiment, templates, a digest.
 
-Both halves build the same :class:`~hafedho.sim.runner.Experiment` from the Flower run config (a hafedho config
+Both halves build the same :class:`~hafedho.experiment.Experiment` from the Flower run config (a hafedho config
 name or path plus ``key=value`` overrides), so the algorithm, model, partition, seeds and cohorts are those the
 simulator would use. Deployment-only facts are explicit: the server sends N and m with every message, each node
 names its partition in its node config (``partition-id``, ``num-partitions``), and a digest of the settings that
@@ -21,8 +21,8 @@ from torch import Tensor
 
 from hafedho.config import CONFIG_DIR, Config, ConfigError, canonical_json, experiment_identity, load_config
 from hafedho.core import ClientData, ClientInfo, RoundInfo, tree
+from hafedho.experiment import Experiment
 from hafedho.flower.app import RUN_CONFIG_DEFAULTS  # the run config's keys and defaults, defined there
-from hafedho.sim.runner import Experiment
 
 # Node-config keys (``flower-supernode --node-config``); the simulation engine sets the first two itself.
 PARTITION_ID = "partition-id"

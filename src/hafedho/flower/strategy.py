@@ -1,17 +1,17 @@
 """A Flower Strategy (Message API) that runs the server half of any registered hafedho algorithm.
 
-Round t, as in the simulator (``hafedho.sim.runner.run``):
+The strategy is transport only: the round's bookkeeping is the simulator's own (``hafedho.rounds.ServerRounds``
+and ``hafedho.rundir.RunDir``), so a Flower run writes the simulator's rows, checkpoints and markers.
+Round t:
     configure_train   the cohort is ``Experiment.cohort(t)`` (pure in seed and round); its clients are the nodes
-                      whose node config names those partition ids; each gets ``alg.broadcast(server, rnd)``
-                      as flat leaves plus N, m and the round.
+                      whose node config names those partition ids; each gets the round's broadcast as flat
+                      leaves plus N, m and the round.
     aggregate_train   failed, late, foreign or malformed replies are dropped; the rest are decoded and streamed
-                      into ``alg.new_aggregator()`` in client-id order (so the float sums are the simulator's),
-                      then ``alg.server_update`` runs with m = the uploads actually aggregated.
-    evaluate          centralised: the global model on the server's test set, every ``eval_every`` rounds;
-                      with held-out local data (personalised algorithms) every known node also reports the
-                      accuracy of its own deployed model.
-Each round appends one row to ``metrics.jsonl`` in the simulator's format and checkpoints the server state,
-so ``hafedho report`` reads Flower runs as it reads simulated ones.
+                      into a ``CohortStream`` in client-id order (so the float sums are the simulator's), then
+                      ``finish_round`` runs with m = the uploads actually aggregated.
+    evaluate          every known node reports the accuracy of its own deployed model on held-out local data
+                      (personalised algorithms), pooled; then the server's global evaluation, the metrics row and
+                      the checkpoint at the simulator's cadence (``evaluate_global``).
 
 Node ids are mapped to partition ids by a ``query`` message to every node not yet known; during the first
 ``node_wait`` seconds a round waits for the nodes of its cohort to connect.
@@ -19,9 +19,7 @@ Node ids are mapped to partition ids by a ``query`` message to every node not ye
 
 from __future__ import annotations
 
-import math
 import time
-import warnings
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from pathlib import Path
@@ -34,13 +32,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from hafedho.config import ConfigError
-from hafedho.core import RoundInfo, tree
-from hafedho.core.model import evaluate
+from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, digest, upload_template
-from hafedho.results import RunBusy, RunLock, append_metrics, atomic_write_text, environment, write_json
-from hafedho.sim import checkpoint
-from hafedho.sim.runner import Divergence, Experiment, prepare_run_dir
+from hafedho.rounds import ServerRounds, pooled_accuracy, run_facts
+from hafedho.rundir import RunDir
+from hafedho.sim.engines.base import CohortStream
 
 
 class HafedhoStrategy(Strategy):
@@ -57,42 +54,37 @@ class HafedhoStrategy(Strategy):
         self, exp: Experiment, run_dir: str | Path | None = None, node_wait: float = 120.0, query_timeout: float = 120.0
     ) -> None:
         self.exp, self.alg, self.fed, self.model, self.cfg = exp, exp.alg, exp.fed, exp.model, exp.cfg
-        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.node_wait, self.query_timeout = node_wait, query_timeout
-        self.server = self.alg.init_server(self.model.params())
+        init = self.alg.init_server(self.model.params())
+        self.rounds = ServerRounds(exp, init, self.run_dir, checkpoint_extra={"engine": "flower"})
         self.upload_like = upload_template(exp)
         self.digest = digest(exp)
         self.nodes: dict[int, int] = {}  # node id -> partition id (-1: the node failed to say)
-        self.rows: list[dict[str, Any]] = []  # every metrics row written
-        self.wall = 0.0
         self._deadline: float | None = None
         self._asked: set[int] = set()
         self._foreign: dict[int, int] = {}  # node id -> the N it reported, for nodes of another federation
         self._round: dict[str, Any] = {}
-        self._lock: RunLock | None = None
+
+    @property
+    def server(self) -> Any:
+        return self.rounds.server
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every metrics row written."""
+        return self.rounds.rows
 
     # ----------------------------------------------------------------- run directory
 
     def prepare(self, force: bool = False) -> None:
-        """Create the run directory like the simulator does (config.toml, env.json, partition.json, run.json)."""
+        """Take the run's lock and create its directory as the simulator does; ``finish`` releases the lock."""
         if self.run_dir is None:
             return
-        self._lock = RunLock(self.run_dir)  # one writer per run, as in the simulator; released by finish()
-        if not self._lock.__enter__():
-            raise RunBusy(
-                f"{self.run_dir} is being written by another process (pid {self._lock.holder}); wait for it to end"
-            )
-        prepare_run_dir(self.run_dir, self.cfg, resume=False, force=force)
-        write_json(self.run_dir / "env.json", environment())
-        write_json(self.run_dir / "partition.json", self.exp.partition)
-        lam = int(max(self.exp.plan.steps_for(int(n)) for n in self.fed.sizes))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            notes = self.alg.run_notes(lam)
-        for w in caught:
-            log(WARNING, "hafedho: %s", w.message)
-        run = {"notes": notes, "warnings": [str(w.message) for w in caught], "lambda": lam, "engine": "flower"}
-        write_json(self.run_dir / "run.json", run)
+        self.run_dir.acquire()
+        self.run_dir.prepare(self.cfg, resume=False, force=force)
+        warn = lambda text: log(WARNING, "hafedho: %s", text)
+        self.run_dir.start(self.exp.partition, run_facts(self.exp, warn, engine="flower"))
 
     def initial_arrays(self) -> ArrayRecord:
         return codec.encode(self.server)
@@ -171,10 +163,8 @@ class HafedhoStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        t0 = time.perf_counter()
         cohort = self.exp.cohort(server_round).tolist()
-        rnd = RoundInfo(server_round, self.fed.num_clients, len(cohort))
-        msg = self.alg.broadcast(self.server, rnd)
+        _, msg = self.rounds.begin(server_round, len(cohort))
         self._asked = set()  # a node that failed to report its partition is asked again next round
         found = self.targets(cohort, grid)
         payload = codec.encode(msg)
@@ -191,7 +181,7 @@ class HafedhoStrategy(Strategy):
             messages.append(
                 Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(server_round))
             )
-        self._round = {"cohort": cohort, "t0": t0, "bytes_down": len(messages) * tree.num_bytes(msg)}
+        self._round = {"cohort": cohort, "reached": len(messages)}
         log(INFO, "configure_train: round %d, cohort %s, %d nodes reached", server_round, cohort, len(messages))
         return messages
 
@@ -222,9 +212,7 @@ class HafedhoStrategy(Strategy):
                 log(WARNING, "round %d: dropped a reply of another round from node %d", server_round, node)
                 continue
             by_cid[cid] = reply
-        agg = self.alg.new_aggregator()
-        sums: dict[str, float] = {}
-        like, bytes_up, used = None, 0, []
+        stream, used = CohortStream(self.alg, 0), []
         for cid in cohort:  # the simulator's order: the float sums match bit for bit when every client replies
             reply = by_cid.pop(cid, None)
             if reply is None:
@@ -235,54 +223,27 @@ class HafedhoStrategy(Strategy):
             except (codec.CodecError, KeyError, TypeError, ValueError) as e:
                 log(WARNING, "round %d: dropped a malformed reply of client %d: %s", server_round, cid, e)
                 continue
-            agg.add(upload, weight)
-            like = upload
-            bytes_up += tree.num_bytes(upload)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+            stream.add(upload, weight, metrics)
             used.append(cid)
-        rnd = RoundInfo(server_round, self.fed.num_clients, len(used))
-        self.server, server_metrics = self.alg.server_update(self.server, agg.result(like) if used else None, rnd)
-        n = max(len(used), 1)
-        row: dict[str, Any] = {
-            "round": server_round,
-            "cohort_size": len(used),
-            **{k: v / n for k, v in sums.items()},
-            **server_metrics,
-        }
+        stream.size = len(used)  # cohort means over the uploads that arrived (m = len(used))
+        extra: dict[str, Any] = {}
         if len(used) < len(cohort):
-            row["sampled"] = len(cohort)
-            row["dropped"] = sorted(set(cohort) - set(used))
+            extra = {"sampled": len(cohort), "dropped": sorted(set(cohort) - set(used))}
             log(WARNING, "round %d: aggregated %d of %d clients", server_round, len(used), len(cohort))
-        self._check_finite(server_round, row)
-        self.wall += time.perf_counter() - self._round.get("t0", time.perf_counter())
-        row.update(
-            {"wall_s": round(self.wall, 4), "bytes_up": bytes_up, "bytes_down": self._round.get("bytes_down", 0)}
-        )
+        reached = self._round.get("reached", 0)
+        row = self.rounds.finish_round(server_round, stream.result(), len(used), reached, **extra)
         self._round["row"] = row
         numeric = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         return codec.encode(self.server), MetricRecord(numeric)
 
-    def _check_finite(self, t: int, row: dict[str, Any]) -> None:
-        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
-        if bad or not tree.all_finite(self.alg.eval_params(self.server)):
-            what = f"{bad[0]} is {row[bad[0]]}" if bad else "the global model has non-finite values"
-            text = f"run diverged at round {t}: {what} (lower algorithm.lr or the algorithm's coefficients)"
-            if self.run_dir is not None:
-                atomic_write_text(self.run_dir / "diverged", text + "\n")
-            raise Divergence(text)
-
     # ----------------------------------------------------------------- evaluate
-
-    def _eval_round(self, t: int) -> bool:
-        return t % self.cfg.eval_every == 0 or t == self.cfg.rounds
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """With held-out local data (personalised algorithms by default), every known node reports the accuracy of
         the model it would deploy (``alg.predict``) on its own data, as the simulator's ``personal_accuracy``."""
-        if self.fed.local_test is None or not self._eval_round(server_round):
+        if self.fed.local_test is None or not self.rounds.is_eval_round(server_round):
             return []
         online = set(grid.get_node_ids())
         payload = codec.encode(self.server)
@@ -298,7 +259,7 @@ class HafedhoStrategy(Strategy):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        correct = total = clients = 0
+        counts = []
         for reply in replies:
             if reply.has_error():
                 log(
@@ -309,10 +270,10 @@ class HafedhoStrategy(Strategy):
                 )
                 continue
             m = reply.content.metric_records.get("metrics", {})
-            correct, total, clients = correct + int(m.get("correct", 0)), total + int(m.get("total", 0)), clients + 1
-        if not clients:
+            counts.append((int(m.get("correct", 0)), int(m.get("total", 0))))
+        if not counts:
             return None
-        acc = correct / max(total, 1)
+        acc, clients = pooled_accuracy(counts), len(counts)
         if "row" in self._round:  # the simulator's metric; the count only when some clients did not answer
             self._round["row"]["test/personal_acc"] = acc
             if clients < self.fed.num_clients:
@@ -324,30 +285,19 @@ class HafedhoStrategy(Strategy):
         row = self._round.pop("row", None)
         if server_round == 0 or row is None:
             return None
-        out = None
-        if self._eval_round(server_round):
-            ev = evaluate(self.model, self.alg.eval_params(self.server), self.fed.x_test(), self.fed.y_test)
-            row.update({"test/acc": ev["acc"], "test/loss": ev["loss"]})
-            out = MetricRecord({"test/acc": ev["acc"], "test/loss": ev["loss"]})
-        self.rows.append(row)
-        if self.run_dir is not None:
-            append_metrics(self.run_dir, row)
-            if server_round % self.cfg.checkpoint_every == 0 or server_round == self.cfg.rounds:
-                extra = {"wall_s": self.wall, "engine": "flower"}
-                checkpoint.save(self.run_dir / "checkpoint.pt", server_round, self.server, [], extra)
-        return out
+        ev = self.rounds.evaluate(server_round, row)  # personal accuracy: from the nodes (aggregate_evaluate)
+        self.rounds.commit(server_round, row)
+        return None if ev is None else MetricRecord({"test/acc": ev["acc"], "test/loss": ev["loss"]})
 
     def finish(self) -> None:
         if self.run_dir is not None:
-            atomic_write_text(self.run_dir / "done", "")
-        if self._lock is not None:
-            self._lock.__exit__()
-            self._lock = None
+            self.run_dir.mark_done()
+            self.run_dir.release()
 
     def summary(self) -> None:
         log(INFO, "\t├── algorithm: %s (%s)", self.alg.name, type(self.alg).__name__)
         log(INFO, "\t├── clients N = %d, rounds = %d, seed = %d", self.fed.num_clients, self.cfg.rounds, self.cfg.seed)
-        log(INFO, "\t└── run directory: %s", self.run_dir)
+        log(INFO, "\t└── run directory: %s", self.run_dir.path if self.run_dir else None)
 
     def final_params(self) -> dict[str, torch.Tensor]:
         return self.alg.eval_params(self.server)

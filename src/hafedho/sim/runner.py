@@ -1,195 +1,29 @@
-"""The round loop: sample, broadcast, run the cohort, aggregate, server update, evaluate, log, checkpoint."""
+"""The simulator's round loop: sample, broadcast, run the cohort on an engine, then the shared bookkeeping
+(``hafedho.rounds.ServerRounds``: server update, divergence check, evaluation, metrics row, checkpoint) into the
+run directory (``hafedho.rundir.RunDir``)."""
 
 from __future__ import annotations
 
-import math
-import shutil
-import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from hafedho.config import (
-    Config,
-    ConfigError,
-    cohort_size,
-    config_from_table,
-    dump_toml,
-    experiment_identity,
-    identity_diff,
-    read_toml,
-)
-from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
-from hafedho.core.model import evaluate
-from hafedho.data.federated import BatchPlan, FederatedData
-from hafedho.results import (
-    RunBusy,
-    RunDirError,
-    RunLock,
-    append_metrics,
-    atomic_write_text,
-    environment,
-    read_metrics,
-    truncate_metrics,
-    write_json,
-)
-from hafedho.sim import checkpoint
+from hafedho.experiment import Experiment
+from hafedho.results import RunDirError, read_metrics
+from hafedho.rounds import Divergence, ServerRounds, run_facts
+from hafedho.rundir import RunDir
 from hafedho.sim.engines.base import Engine, RoundWork
 from hafedho.sim.engines.registry import make_engine
-from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.sim.store import ClientStore
+
+__all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
 
 DISK_STORE_ABOVE = 2 * 1024**3  # client_store="auto": memory-map per-client state larger than this
 
 
-class Divergence(RuntimeError):
-    """Training produced a non-finite loss or model; the last good checkpoint is kept."""
-
-
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a run; the message says which round ``--resume`` continues from."""
-
-
-@dataclass
-class Experiment:
-    """Everything a run needs, built from a config by ``hafedho.experiment.build``."""
-
-    cfg: Config
-    alg: FedAlgorithm
-    fed: FederatedData
-    model: FunctionalModel
-    partition: dict[str, Any]  # sizes, hash
-
-    @property
-    def plan(self) -> BatchPlan:
-        c = self.cfg.clients
-        return BatchPlan(c.local_steps, c.batch_size, c.local_epochs)
-
-    def cohort(self, rnd: int) -> np.ndarray:
-        s, n = self.cfg.sampling, self.fed.num_clients
-        if s.mode == "bernoulli":
-            return bernoulli_cohort(self.cfg.seed, rnd, n, s.prob)
-        return fixed_cohort(self.cfg.seed, rnd, n, cohort_size(self.cfg, n))
-
-
-@torch.no_grad()
-def personal_accuracy(alg: FedAlgorithm, server: Any, store: ClientStore, fed: FederatedData, model: Any) -> float:
-    """Accuracy of each client's deployed model (``alg.predict``) on its own held-out data, pooled over clients.
-
-    For personalised algorithms this is the paper's metric; it is not comparable with global-model accuracy.
-    """
-    was_training = model.module.training
-    model.module.eval()
-    correct = total = 0
-    for cid, idx in enumerate(fed.local_test):
-        if len(idx) == 0:
-            continue
-        x = fed.preprocess(fed.x_train[torch.from_numpy(idx)])
-        logits = alg.predict(server, store.gather(cid), model, x)
-        correct += int((logits.argmax(1) == fed.y_train[torch.from_numpy(idx)]).sum())
-        total += len(idx)
-    model.module.train(was_training)
-    return correct / max(total, 1)
-
-
-def save_checkpoint(run_dir: Path, t: int, server: Any, store: ClientStore, wall: float) -> None:
-    """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it."""
-    extra: dict[str, Any] = {"wall_s": wall}
-    if store.path is None:
-        checkpoint.save(run_dir / "checkpoint.pt", t, server, store.state_dict(), extra)
-        return
-    store.snapshot(run_dir / f"store_r{t}")
-    checkpoint.save(run_dir / "checkpoint.pt", t, server, [], {**extra, "store_dir": f"store_r{t}"})
-    for old in run_dir.glob("store_r*"):  # only after the new checkpoint is in place
-        if old.name != f"store_r{t}":
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def check_same_experiment(run_dir: Path, cfg: Config) -> None:
-    """Refuse to continue a run directory that holds another experiment (``experiment_identity``): runtime
-    settings (engine, workers, threads, eval and checkpoint cadence) may change on resume, and so may ``rounds``
-    (extending a run continues it)."""
-    path = run_dir / "config.toml"
-    if not path.exists():
-        return
-    try:
-        old = experiment_identity(config_from_table(read_toml(path)))
-    except ConfigError as e:
-        raise RunDirError(f"{path} cannot be read by this version ({e}); use --force to start over") from None
-    diff = identity_diff(old, experiment_identity(cfg))
-    if diff:
-        raise RunDirError(
-            f"{run_dir} holds another experiment (differs in: {', '.join(diff)}); "
-            "use another directory, or --force to replace it"
-        )
-
-
-RUN_FILES = frozenset(
-    {"config.toml", "env.json", "partition.json", "run.json", "metrics.jsonl", "checkpoint.pt", "done", "diverged"}
-)
-
-
-def _is_run_entry(name: str) -> bool:
-    """A file or folder that a run (simulator or Flower) writes into its directory."""
-    if name in RUN_FILES or name == "client_store" or (name.startswith(".") and name.endswith(".tmp")):
-        return True
-    return name.startswith("store_r") and name.removeprefix("store_r").removesuffix(".tmp").isdigit()
-
-
-def _check_deletable(run_dir: Path) -> None:
-    """``--force`` deletes only an empty folder or a hafedho run directory: config.toml and nothing foreign."""
-    entries = sorted(p.name for p in run_dir.iterdir())
-    foreign = [n for n in entries if not _is_run_entry(n)]
-    if entries and (foreign or "config.toml" not in entries):
-        more = ", ..." if len(foreign) > 3 else ""
-        what = f"it holds {', '.join(foreign[:3])}{more}" if foreign else "no config.toml"
-        raise RunDirError(
-            f"--force: {run_dir} is not a hafedho run directory ({what}); not deleting it: "
-            "choose another run name, or remove it yourself"
-        )
-
-
-def is_finished(run_dir: Path, rounds: int, rows: list[dict[str, Any]] | None = None) -> bool:
-    """The run in ``run_dir`` has finished exactly ``rounds`` rounds (``--resume`` then has nothing to do)."""
-    if not (run_dir / "done").is_file():
-        return False
-    rows = read_metrics(run_dir) if rows is None else rows
-    return bool(rows) and rows[-1]["round"] == rounds
-
-
-def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> bool:
-    """Create the run directory, or check that an existing one may be continued.
-
-    Returns True when ``resume`` finds the run finished at ``cfg.rounds``: nothing to do, and nothing is written.
-    Every refusal happens before anything in the directory changes.
-    """
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"{run_dir} is a file, not a run directory; choose another run name or output folder")
-    if run_dir.exists() and force:
-        _check_deletable(run_dir)
-        shutil.rmtree(run_dir)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not resume:
-            state = "finished" if (run_dir / "done").exists() else "interrupted"
-            raise RunDirError(f"{run_dir} holds a {state} run; pass --resume to continue it or --force to start over")
-        check_same_experiment(run_dir, cfg)
-        rows = read_metrics(run_dir)  # a bad line in the middle is an error here, before anything is rewritten
-        have = rows[-1]["round"] if rows else 0
-        if cfg.rounds < have:
-            raise RunDirError(
-                f"{run_dir} already holds {have} rounds; --resume with rounds={cfg.rounds} cannot shorten it: "
-                f"pass rounds >= {have}, or --force to start over"
-            )
-        if is_finished(run_dir, cfg.rounds, rows):
-            return True
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
-    return False
 
 
 def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
@@ -199,19 +33,15 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
     Resuming a run finished at ``cfg.rounds`` changes nothing and returns its last row. Runs with ``cfg.threads``
     torch threads (0: as set before) and restores the caller's setting afterwards.
     """
-    run_dir = Path(run_dir)
-    lock = RunLock(run_dir)
-    with lock as held:
-        if not held:
-            raise RunBusy(f"{run_dir} is being written by another process (pid {lock.holder}); wait for it to end")
+    with RunDir(run_dir) as rd:
         previous = torch.get_num_threads()
         if exp.cfg.threads:
             torch.set_num_threads(exp.cfg.threads)
         engine = make_engine(exp.cfg.engine, workers=exp.cfg.workers, vmap_chunk=exp.cfg.vmap_chunk)
         try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
-            return _run(exp, run_dir, resume, force, progress, engine)
+            return _run(exp, rd, resume, force, progress, engine)
         except KeyboardInterrupt:
-            raise Interrupted(_interrupted_text(run_dir)) from None
+            raise Interrupted(_interrupted_text(rd.path)) from None
         finally:
             engine.close()
             torch.set_num_threads(previous)
@@ -238,23 +68,11 @@ def _interrupted_text(run_dir: Path) -> str:
     return f"{run_dir}: interrupted at round {done}; continue with --resume ({how})"
 
 
-def _run(exp: Experiment, run_dir: Path | str, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
+def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
     cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
-    run_dir = Path(run_dir)
-    if prepare_run_dir(run_dir, cfg, resume, force):
-        return read_metrics(run_dir)[-1]  # finished: nothing to do
-    (run_dir / "done").unlink(missing_ok=True)
-    (run_dir / "diverged").unlink(missing_ok=True)
-    write_json(run_dir / "env.json", environment())
-    write_json(run_dir / "partition.json", exp.partition)
-    plan = exp.plan
-    lam = int(max(plan.steps_for(int(n)) for n in fed.sizes))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        notes = alg.run_notes(lam)
-    for w in caught:
-        tqdm.write(f"warning: {w.message}")
-    write_json(run_dir / "run.json", {"notes": notes, "warnings": [str(w.message) for w in caught], "lambda": lam})
+    if rd.prepare(cfg, resume, force):
+        return rd.rows()[-1]  # finished: nothing to do
+    rd.start(exp.partition, run_facts(exp, warn=lambda text: tqdm.write(f"warning: {text}")))
 
     params0 = model.params()
     server = alg.init_server(params0)
@@ -262,52 +80,22 @@ def _run(exp: Experiment, run_dir: Path | str, resume: bool, force: bool, progre
     on_disk = cfg.client_store == "disk" or (
         cfg.client_store == "auto" and fed.num_clients * ClientStore.template_nbytes(template) > DISK_STORE_ABOVE
     )
-    store = ClientStore(template, fed.num_clients, run_dir / "client_store" if on_disk else None)
-    start, wall = 1, 0.0
-    ckpt = run_dir / "checkpoint.pt"
-    if resume and ckpt.exists():
-        done_round, server, store_leaves, extra = checkpoint.load(ckpt, server)
-        if "store_dir" in extra:
-            store.restore(run_dir / extra["store_dir"])
-        else:
-            store.load_state_dict(store_leaves)
-        start, wall = done_round + 1, float(extra.get("wall_s", 0.0))
-    truncate_metrics(run_dir, start - 1)  # rounds after the checkpoint are recomputed identically
+    store = ClientStore(template, fed.num_clients, rd.path / "client_store" if on_disk else None)
+    start, server, wall = rd.resume(server, store) if resume else (1, server, 0.0)
+    rd.truncate(start - 1)  # rounds after the checkpoint are recomputed identically
 
-    x_test, y_test = fed.x_test(), fed.y_test
-    last: dict[str, Any] = {}
+    rounds = ServerRounds(exp, server, rd, start, wall)
+    plan = exp.plan
     bar = tqdm(range(start, cfg.rounds + 1), desc=cfg.run_name, disable=not progress, leave=False)
     for t in bar:
-        t0 = time.perf_counter()
         cohort = exp.cohort(t)
-        rnd = RoundInfo(t, fed.num_clients, len(cohort))
-        msg = alg.broadcast(server, rnd)
+        rnd, msg = rounds.begin(t, len(cohort))
         out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
-        server, server_metrics = alg.server_update(server, out.aggregate, rnd)
-        row: dict[str, Any] = {"round": t, "cohort_size": len(cohort), **out.metrics, **server_metrics}
-        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
-        if bad or not tree.all_finite(alg.eval_params(server)):
-            what = f"{bad[0]} is {row[bad[0]]}" if bad else "the global model has non-finite values"
-            good = f"round {start - 1} in {ckpt}" if start > 1 or ckpt.exists() else "none"
-            hint = "lower algorithm.lr or the algorithm's coefficients"
-            msg_text = f"run diverged at round {t}: {what} ({hint}); last good checkpoint: {good}"
-            atomic_write_text(run_dir / "diverged", msg_text + "\n")
-            raise Divergence(msg_text)
-        wall += time.perf_counter() - t0
-        if t % cfg.eval_every == 0 or t == cfg.rounds:
-            ev = evaluate(model, alg.eval_params(server), x_test, y_test)
-            row.update({"test/acc": ev["acc"], "test/loss": ev["loss"]})
-            if fed.local_test is not None:
-                row["test/personal_acc"] = personal_accuracy(alg, server, store, fed, model)
+        row = rounds.finish_round(t, out, len(cohort), len(cohort))
+        ev = rounds.evaluate(t, row, store.gather)
+        if ev is not None:
             bar.set_postfix(acc=f"{ev['acc']:.3f}")
-        row.update(
-            {"wall_s": round(wall, 4), "bytes_up": out.bytes_up, "bytes_down": len(cohort) * tree.num_bytes(msg)}
-        )
-        append_metrics(run_dir, row)
-        last = row
-        if t % cfg.checkpoint_every == 0 or t == cfg.rounds:
-            save_checkpoint(run_dir, t, server, store, wall)
-            start = t + 1
+        rounds.commit(t, row, store)
     bar.close()
-    atomic_write_text(run_dir / "done", "")
-    return last
+    rd.mark_done()
+    return rounds.rows[-1] if rounds.rows else {}

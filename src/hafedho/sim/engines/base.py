@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hafedho.core import ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
+from hafedho.core import ClientInfo, ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.seeds import seed_for
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.sim.store import ClientStore
@@ -57,11 +57,12 @@ class RoundWork:
     rnd: RoundInfo
     seed: int
 
-    def client_update(self, cid: int, state: Any) -> ClientResult:
-        """Client ``cid``'s update from ``state``, seeded as every engine seeds it (dropout pure in (seed, t, i))."""
+    def client_update(self, cid: int, state: Any, info: ClientInfo | None = None) -> ClientResult:
+        """Client ``cid``'s update from ``state``, seeded as every engine seeds it (dropout pure in (seed, t, i));
+        ``info`` defaults to the partition's (a Flower node may state its own)."""
         torch.manual_seed(seed_for(self.seed, "client_torch", self.rnd.round, cid))
         data = self.fed.client_data(self.seed, self.rnd.round, cid, self.plan, full=self.alg.needs_full_pass)
-        info = self.fed.client_info(cid)
+        info = self.fed.client_info(cid) if info is None else info
         return self.alg.client_update(self.msg, state, data, info, self.rnd, self.model)
 
 

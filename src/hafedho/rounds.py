@@ -1,0 +1,173 @@
+"""The server's side of every round, one owner for each piece, shared by the simulator and the Flower strategy.
+
+A runtime only moves messages. Per round it calls
+
+    rnd, msg = rounds.begin(t, m)             broadcast of the server state (the round's clock starts)
+    ... the cohort runs (an engine, or Flower nodes), streamed into a ``CohortStream`` in client-id order ...
+    row = rounds.finish_round(t, out, m', r)  server_update (skipped when nobody reported), divergence check, row
+    rounds.evaluate(t, row, ...)              global (and pooled personal) accuracy on evaluation rounds
+    rounds.commit(t, row, store)              the row into metrics.jsonl, a checkpoint on checkpoint rounds
+
+(m: sampled clients, m': those whose uploads were aggregated, r: those the broadcast reached) and writes
+``run_facts`` into ``run.json`` once per run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from hafedho.core import RoundInfo, tree
+from hafedho.core.model import evaluate
+from hafedho.experiment import Experiment
+from hafedho.rundir import RunDir
+from hafedho.sim.engines.base import CohortResult
+from hafedho.sim.store import ClientStore
+
+
+class Divergence(RuntimeError):
+    """Training produced a non-finite loss or model; the last good checkpoint is kept."""
+
+
+def run_facts(exp: Experiment, warn: Callable[[str], None], **extra: Any) -> dict[str, Any]:
+    """What ``run.json`` records once per run: lambda (the most local steps of any client), the algorithm's
+    ``run_notes(lambda)`` and the warnings they raised, each also passed to ``warn``."""
+    lam = int(max(exp.plan.steps_for(int(n)) for n in exp.fed.sizes))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        notes = exp.alg.run_notes(lam)
+    for w in caught:
+        warn(str(w.message))
+    return {"notes": notes, "warnings": [str(w.message) for w in caught], "lambda": lam, **extra}
+
+
+@torch.no_grad()
+def client_accuracy(exp: Experiment, server: Any, cid: int, state: Any) -> tuple[int, int]:
+    """``(correct, total)`` of client ``cid``'s deployed model (``alg.predict``) on its held-out local data."""
+    fed, model = exp.fed, exp.model
+    idx = fed.local_test[cid] if fed.local_test is not None else []
+    if len(idx) == 0:
+        return 0, 0
+    was_training = model.module.training
+    model.module.eval()
+    rows = torch.from_numpy(idx)
+    logits = exp.alg.predict(server, state, model, fed.preprocess(fed.x_train[rows]))
+    model.module.train(was_training)
+    return int((logits.argmax(1) == fed.y_train[rows]).sum()), len(idx)
+
+
+def pooled_accuracy(counts: Iterable[tuple[int, int]]) -> float:
+    """Accuracy pooled over clients from their ``(correct, total)``."""
+    correct = total = 0
+    for c, n in counts:
+        correct, total = correct + c, total + n
+    return correct / max(total, 1)
+
+
+def personal_accuracy(exp: Experiment, server: Any, state_of: Callable[[int], Any]) -> float:
+    """Accuracy of each client's deployed model on its own held-out data, pooled over clients.
+
+    For personalised algorithms this is the paper's metric; it is not comparable with global-model accuracy.
+    """
+    local = exp.fed.local_test or []
+    return pooled_accuracy(client_accuracy(exp, server, c, state_of(c)) for c in range(len(local)) if len(local[c]))
+
+
+class ServerRounds:
+    """The server state of a run and the bookkeeping of each of its rounds (see the module docstring).
+
+    Args:
+        exp: the experiment.
+        server: the server state to continue from (``alg.init_server``, or a checkpoint's).
+        run_dir: where rows and checkpoints go; None = write nothing.
+        start: the first round to run (rounds before it are in the checkpoint).
+        wall: training seconds so far (evaluation excluded).
+        checkpoint_extra: runtime facts saved with each checkpoint beside ``wall_s``.
+    """
+
+    def __init__(
+        self,
+        exp: Experiment,
+        server: Any,
+        run_dir: RunDir | None,
+        start: int = 1,
+        wall: float = 0.0,
+        checkpoint_extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.exp, self.server, self.run_dir, self.wall = exp, server, run_dir, wall
+        self.checkpointed = start - 1  # the round of the last good checkpoint, 0 = none
+        self.checkpoint_extra = dict(checkpoint_extra or {})
+        self.rows: list[dict[str, Any]] = []  # every row committed by this process
+        self._t0 = time.perf_counter()
+        self._msg_bytes = 0  # of this round's broadcast
+        self._test: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self, t: int, cohort_size: int) -> tuple[RoundInfo, Any]:
+        """Round ``t`` starts with ``cohort_size`` sampled clients: its ``RoundInfo`` and the broadcast."""
+        self._t0 = time.perf_counter()
+        rnd = RoundInfo(t, self.exp.fed.num_clients, cohort_size)
+        msg = self.exp.alg.broadcast(self.server, rnd)
+        self._msg_bytes = tree.num_bytes(msg)
+        return rnd, msg
+
+    def finish_round(self, t: int, out: CohortResult, reported: int, reached: int, **extra: Any) -> dict[str, Any]:
+        """Round ``t``'s cohort is in: ``server_update`` with m = ``reported``, the divergence check, and the
+        metrics row (cohort means of the clients' metrics, server metrics, ``extra``, wall time, the bytes
+        uploaded and the broadcast's bytes times the ``reached`` clients).
+
+        Nobody reported (``out.aggregate`` is None): the round did not happen, the server state stays.
+        """
+        alg = self.exp.alg
+        server_metrics: dict[str, float] = {}
+        if out.aggregate is not None:
+            rnd = RoundInfo(t, self.exp.fed.num_clients, reported)
+            self.server, server_metrics = alg.server_update(self.server, out.aggregate, rnd)
+        row: dict[str, Any] = {"round": t, "cohort_size": reported, **out.metrics, **server_metrics, **extra}
+        self._check_finite(t, row)
+        self.wall += time.perf_counter() - self._t0
+        row.update({"wall_s": round(self.wall, 4), "bytes_up": out.bytes_up, "bytes_down": reached * self._msg_bytes})
+        return row
+
+    def _check_finite(self, t: int, row: dict[str, Any]) -> None:
+        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad or not tree.all_finite(self.exp.alg.eval_params(self.server)):
+            what = f"{bad[0]} is {row[bad[0]]}" if bad else "the global model has non-finite values"
+            kept = self.run_dir is not None and self.checkpointed > 0
+            good = f"round {self.checkpointed} in {self.run_dir.checkpoint_path}" if kept else "none"
+            hint = "lower algorithm.lr or the algorithm's coefficients"
+            text = f"run diverged at round {t}: {what} ({hint}); last good checkpoint: {good}"
+            if self.run_dir is not None:
+                self.run_dir.mark_diverged(text)
+            raise Divergence(text)
+
+    def is_eval_round(self, t: int) -> bool:
+        return t % self.exp.cfg.eval_every == 0 or t == self.exp.cfg.rounds
+
+    def evaluate(self, t: int, row: dict[str, Any], state_of: Callable[[int], Any] | None = None) -> dict | None:
+        """On evaluation rounds: the global model's test accuracy and loss into ``row`` (returned), and with
+        held-out local data and each client's state (``state_of``) the pooled personal accuracy. Else None."""
+        if not self.is_eval_round(t):
+            return None
+        fed = self.exp.fed
+        if self._test is None:
+            self._test = fed.x_test(), fed.y_test
+        ev = evaluate(self.exp.model, self.exp.alg.eval_params(self.server), *self._test)
+        row.update({"test/acc": ev["acc"], "test/loss": ev["loss"]})
+        if fed.local_test is not None and state_of is not None:
+            row["test/personal_acc"] = personal_accuracy(self.exp, self.server, state_of)
+        return ev
+
+    def commit(self, t: int, row: dict[str, Any], store: ClientStore | None = None) -> None:
+        """Log round ``t``'s row; on checkpoint rounds save the server state (and ``store``, the client states)."""
+        self.rows.append(row)
+        if self.run_dir is None:
+            return
+        self.run_dir.append(row)
+        if t % self.exp.cfg.checkpoint_every == 0 or t == self.exp.cfg.rounds:
+            self.run_dir.save_checkpoint(t, self.server, store, {"wall_s": self.wall, **self.checkpoint_extra})
+            self.checkpointed = t

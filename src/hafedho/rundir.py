@@ -1,0 +1,194 @@
+"""``RunDir``: one run's directory, the one owner of what every runtime (simulator, Flower) writes into it.
+
+What may be continued (``prepare``: same experiment, never shortened), what ``--force`` may delete (only a run
+directory), the facts written once (``start``), the metrics rows, checkpoints with the client store, and the
+``done``/``diverged`` markers. The file layout and the atomic writes are ``hafedho.results``'.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hafedho.config import (
+    Config,
+    ConfigError,
+    config_from_table,
+    dump_toml,
+    experiment_identity,
+    identity_diff,
+    read_toml,
+)
+from hafedho.results import (
+    RunBusy,
+    RunDirError,
+    RunLock,
+    append_metrics,
+    atomic_write_text,
+    environment,
+    read_metrics,
+    truncate_metrics,
+    write_json,
+)
+from hafedho.sim import checkpoint
+from hafedho.sim.store import ClientStore
+
+
+def check_same_experiment(run_dir: Path, cfg: Config) -> None:
+    """Refuse to continue a run directory that holds another experiment (``experiment_identity``): runtime
+    settings (engine, workers, threads, eval and checkpoint cadence) may change on resume, and so may ``rounds``
+    (extending a run continues it)."""
+    path = run_dir / "config.toml"
+    if not path.exists():
+        return
+    try:
+        old = experiment_identity(config_from_table(read_toml(path)))
+    except ConfigError as e:
+        raise RunDirError(f"{path} cannot be read by this version ({e}); use --force to start over") from None
+    diff = identity_diff(old, experiment_identity(cfg))
+    if diff:
+        raise RunDirError(
+            f"{run_dir} holds another experiment (differs in: {', '.join(diff)}); "
+            "use another directory, or --force to replace it"
+        )
+
+
+RUN_FILES = frozenset(
+    {"config.toml", "env.json", "partition.json", "run.json", "metrics.jsonl", "checkpoint.pt", "done", "diverged"}
+)
+
+
+def _is_run_entry(name: str) -> bool:
+    """A file or folder that a run (simulator or Flower) writes into its directory."""
+    if name in RUN_FILES or name == "client_store" or (name.startswith(".") and name.endswith(".tmp")):
+        return True
+    return name.startswith("store_r") and name.removeprefix("store_r").removesuffix(".tmp").isdigit()
+
+
+def _check_deletable(run_dir: Path) -> None:
+    """``--force`` deletes only an empty folder or a hafedho run directory: config.toml and nothing foreign."""
+    entries = sorted(p.name for p in run_dir.iterdir())
+    foreign = [n for n in entries if not _is_run_entry(n)]
+    if entries and (foreign or "config.toml" not in entries):
+        more = ", ..." if len(foreign) > 3 else ""
+        what = f"it holds {', '.join(foreign[:3])}{more}" if foreign else "no config.toml"
+        raise RunDirError(
+            f"--force: {run_dir} is not a hafedho run directory ({what}); not deleting it: "
+            "choose another run name, or remove it yourself"
+        )
+
+
+def is_finished(run_dir: Path, rounds: int, rows: list[dict[str, Any]] | None = None) -> bool:
+    """The run in ``run_dir`` has finished exactly ``rounds`` rounds (``--resume`` then has nothing to do)."""
+    if not (run_dir / "done").is_file():
+        return False
+    rows = read_metrics(run_dir) if rows is None else rows
+    return bool(rows) and rows[-1]["round"] == rounds
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> bool:
+    """Create the run directory, or check that an existing one may be continued.
+
+    Returns True when ``resume`` finds the run finished at ``cfg.rounds``: nothing to do, and nothing is written.
+    Every refusal happens before anything in the directory changes.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"{run_dir} is a file, not a run directory; choose another run name or output folder")
+    if run_dir.exists() and force:
+        _check_deletable(run_dir)
+        shutil.rmtree(run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not resume:
+            state = "finished" if (run_dir / "done").exists() else "interrupted"
+            raise RunDirError(f"{run_dir} holds a {state} run; pass --resume to continue it or --force to start over")
+        check_same_experiment(run_dir, cfg)
+        rows = read_metrics(run_dir)  # a bad line in the middle is an error here, before anything is rewritten
+        have = rows[-1]["round"] if rows else 0
+        if cfg.rounds < have:
+            raise RunDirError(
+                f"{run_dir} already holds {have} rounds; --resume with rounds={cfg.rounds} cannot shorten it: "
+                f"pass rounds >= {have}, or --force to start over"
+            )
+        if is_finished(run_dir, cfg.rounds, rows):
+            return True
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
+    return False
+
+
+class RunDir:
+    """A run directory, written by one process at a time: ``acquire()`` (or ``with RunDir(path):``) takes its
+    ``RunLock`` and raises ``RunBusy`` while another writer holds it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.checkpoint_path = self.path / "checkpoint.pt"
+        self._lock = RunLock(self.path)
+
+    def acquire(self) -> None:
+        if not self._lock.__enter__():
+            raise RunBusy(
+                f"{self.path} is being written by another process (pid {self._lock.holder}); wait for it to end"
+            )
+
+    def release(self) -> None:
+        self._lock.__exit__()
+
+    def __enter__(self) -> RunDir:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def prepare(self, cfg: Config, resume: bool, force: bool) -> bool:
+        """``prepare_run_dir``: True when ``resume`` finds the run finished (then nothing is written)."""
+        return prepare_run_dir(self.path, cfg, resume, force)
+
+    def start(self, partition: dict[str, Any], facts: dict[str, Any]) -> None:
+        """A run (re)starts: clear the end markers, write the environment, the partition and ``run.json``."""
+        (self.path / "done").unlink(missing_ok=True)
+        (self.path / "diverged").unlink(missing_ok=True)
+        write_json(self.path / "env.json", environment())
+        write_json(self.path / "partition.json", partition)
+        write_json(self.path / "run.json", facts)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return read_metrics(self.path)
+
+    def append(self, row: dict[str, Any]) -> None:
+        append_metrics(self.path, row)
+
+    def truncate(self, last_round: int) -> None:
+        truncate_metrics(self.path, last_round)
+
+    def save_checkpoint(self, t: int, server: Any, store: ClientStore | None, extra: dict[str, Any]) -> None:
+        """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it.
+        Without a store (Flower: the client states live on the nodes) the checkpoint holds the server only."""
+        if store is None or store.path is None:
+            checkpoint.save(self.checkpoint_path, t, server, [] if store is None else store.state_dict(), extra)
+            return
+        store.snapshot(self.path / f"store_r{t}")
+        checkpoint.save(self.checkpoint_path, t, server, [], {**extra, "store_dir": f"store_r{t}"})
+        for old in self.path.glob("store_r*"):  # only after the new checkpoint is in place
+            if old.name != f"store_r{t}":
+                shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self, server: Any, store: ClientStore) -> tuple[int, Any, float]:
+        """``(first round to run, server state, wall seconds so far)`` from the checkpoint, the client states
+        restored into ``store``; ``(1, server, 0.0)`` when there is none."""
+        if not self.checkpoint_path.exists():
+            return 1, server, 0.0
+        done_round, server, store_leaves, extra = checkpoint.load(self.checkpoint_path, server)
+        if "store_dir" in extra:
+            store.restore(self.path / extra["store_dir"])
+        else:
+            store.load_state_dict(store_leaves)
+        return done_round + 1, server, float(extra.get("wall_s", 0.0))
+
+    def mark_done(self) -> None:
+        atomic_write_text(self.path / "done", "")
+
+    def mark_diverged(self, text: str) -> None:
+        atomic_write_text(self.path / "diverged", text + "\n")
