@@ -14,7 +14,7 @@ from hafedho.results import RunDirError, read_metrics
 from hafedho.rounds import Divergence, ServerRounds, run_facts
 from hafedho.rundir import RunDir
 from hafedho.sim.engines.base import Engine, RoundWork
-from hafedho.sim.engines.registry import make_engine
+from hafedho.sim.engines.registry import engine_for
 from hafedho.sim.store import ClientStore
 
 __all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
@@ -37,7 +37,7 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
         previous = torch.get_num_threads()
         if exp.cfg.threads:
             torch.set_num_threads(exp.cfg.threads)
-        engine = make_engine(exp.cfg.engine, workers=exp.cfg.workers, vmap_chunk=exp.cfg.vmap_chunk)
+        engine = engine_for(exp.cfg)  # the engine and its options, as the registry declares them
         try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
             return _run(exp, rd, resume, force, progress, engine)
         except KeyboardInterrupt:
