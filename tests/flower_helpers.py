@@ -12,14 +12,14 @@ import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+from helpers import smoke_config
 from tolerance import fp32_close, longest_reduction
 
-from hafedho.config import load_config
 from hafedho.core import RoundInfo, tree
 from hafedho.core.seeds import seed_for
 from hafedho.experiment import Experiment, build
 from hafedho.flower.client_app import app as client_app
-from hafedho.flower.common import client_template, config_path
+from hafedho.flower.common import client_template
 from hafedho.sim import checkpoint
 from hafedho.sim.runner import run
 from hafedho.sim.store import ClientStore
@@ -73,15 +73,9 @@ class LocalGrid(Grid):
         return replies
 
 
-def smoke_config(alg: str, tmp: Path, *overrides: str):
-    cfg = load_config(config_path("smoke"), [f"algorithm.name={alg}", *overrides])
-    cfg.out = str(tmp)
-    return cfg
-
-
 def simulate(alg: str, tmp: Path, *overrides: str) -> tuple[Experiment, dict[str, torch.Tensor], Path]:
     """The reference simulator's run; returns the experiment, the final global model and the run dir."""
-    cfg = smoke_config(alg, tmp, *overrides)
+    cfg = smoke_config(tmp, *overrides, alg=alg)
     exp = build(cfg)
     run_dir = tmp / "sim"
     run(exp, run_dir, progress=False)

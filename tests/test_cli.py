@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_smoke
 
 from hafedho.cli import main
 from hafedho.results import read_metrics
 
 
 def test_run_smoke_config_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "smoke", "--out", str(tmp_path), "--quiet"]) == 0
+    assert run_smoke(tmp_path) == 0
     run_dir = next(tmp_path.glob("hafedho-digits-*-s0"))  # PREFIX-HASH-sSEED (Config.run_name)
     rows = read_metrics(run_dir)
     assert [r["round"] for r in rows] == [1, 2] and (run_dir / "done").exists()
@@ -47,7 +48,7 @@ def test_listing_commands(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_report_command(tmp_path: Path) -> None:
-    assert main(["run", "smoke", "--out", str(tmp_path), "--quiet"]) == 0
+    assert run_smoke(tmp_path) == 0
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
     assert "| hafedho | 1 |" in (tmp_path / "rep" / "results.md").read_text()
     assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000

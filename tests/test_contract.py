@@ -15,36 +15,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import no_wall, smoke_config
 from torch.utils import _pytree as pytree
 
 from hafedho.algorithms import REGISTRY
 from hafedho.algorithms.fedavg import FedAvg
 from hafedho.cli import main
-from hafedho.config import CONFIG_DIR, load_config
 from hafedho.core import ConfigError, RoundInfo, tree
 from hafedho.experiment import build
 from hafedho.results import read_metrics
 from hafedho.sim.runner import run
 
 ALGS = sorted(REGISTRY)
-
-
-def smoke(tmp: Path, alg: str, *overrides: str):
-    cfg = load_config(CONFIG_DIR / "smoke.toml", [f"algorithm.name={alg}", "checkpoint_every=1", *overrides])
-    cfg.out = str(tmp)
-    return cfg
-
-
-def no_wall(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+CKPT = "checkpoint_every=1"  # every contract run checkpoints each round
 
 
 @pytest.mark.parametrize("alg", ALGS)
 def test_loss_falls_and_metrics_finite_on_synthetic(tmp_path: Path, alg: str) -> None:
     """FedProx Synthetic(1, 1): 30 natural devices, logistic regression, 10 rounds of 6 clients."""
-    cfg = smoke(
+    cfg = smoke_config(
         tmp_path,
-        alg,
+        CKPT,
         "rounds=10",
         "data.source='synthetic'",
         "data.partition='natural'",
@@ -52,6 +43,7 @@ def test_loss_falls_and_metrics_finite_on_synthetic(tmp_path: Path, alg: str) ->
         "sampling.cohort_size=6",
         "clients.local_steps=5",
         "algorithm.lr=0.01",
+        alg=alg,
     )
     run(build(cfg), tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")
@@ -65,10 +57,15 @@ def test_loss_falls_and_metrics_finite_on_synthetic(tmp_path: Path, alg: str) ->
 
 @pytest.mark.parametrize("alg", ALGS)
 def test_state_shapes_stable_resume_identical_and_bytes_honest(tmp_path: Path, alg: str) -> None:
-    full = build(smoke(tmp_path / "a", alg, "rounds=4"))
+    full = build(smoke_config(tmp_path / "a", CKPT, "rounds=4", alg=alg))
     run(full, tmp_path / "a" / "run", progress=False)
-    run(build(smoke(tmp_path / "b", alg, "rounds=2")), tmp_path / "b" / "run", progress=False)
-    run(build(smoke(tmp_path / "b", alg, "rounds=4")), tmp_path / "b" / "run", resume=True, progress=False)
+    run(build(smoke_config(tmp_path / "b", CKPT, "rounds=2", alg=alg)), tmp_path / "b" / "run", progress=False)
+    run(
+        build(smoke_config(tmp_path / "b", CKPT, "rounds=4", alg=alg)),
+        tmp_path / "b" / "run",
+        resume=True,
+        progress=False,
+    )
     a_rows, b_rows = read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run")
     assert no_wall(a_rows) == no_wall(b_rows)
 
@@ -94,7 +91,7 @@ def test_state_shapes_stable_resume_identical_and_bytes_honest(tmp_path: Path, a
 def test_an_empty_round_leaves_the_server_state_unchanged(tmp_path: Path, alg: str) -> None:
     """Nobody sampled (Bernoulli participation): the runtime skips ``server_update``, so no algorithm needs a
     None case; the rows say the round happened with nobody, and the checkpoint is the initial server state."""
-    exp = build(smoke(tmp_path, alg, "sampling.mode='bernoulli'", "sampling.prob=0.0001"))
+    exp = build(smoke_config(tmp_path, CKPT, "sampling.mode='bernoulli'", "sampling.prob=0.0001", alg=alg))
     assert all(len(exp.cohort(t)) == 0 for t in (1, 2))
     init = pytree.tree_leaves(exp.alg.init_server(exp.model.params()))
     run(exp, tmp_path / "run", progress=False)

@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import SMOKE
 from tolerance import fp32_close, longest_reduction, smooth, smooth_functional_relu
 from torch import nn
 
 from hafedho.algorithms import REGISTRY
 from hafedho.algorithms.fedavg import Broadcast, FedAvg
-from hafedho.config import CONFIG_DIR, Config, load_config
+from hafedho.config import Config, load_config
 from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, FunctionalModel, RoundInfo
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.experiment import build
@@ -48,7 +49,7 @@ CONTRACT = [
 def final_state(tmp: Path, alg: str, *overrides: str) -> list[torch.Tensor]:
     """Server state and client store after three rounds of the smoke experiment (mlp on digits, smoothed: a
     ReLU kink would turn a rounding difference into an O(1) one, see tests/tolerance.py)."""
-    cfg = load_config(CONFIG_DIR / "smoke.toml", [f"algorithm.name={alg}", *CONTRACT, *overrides])
+    cfg = load_config(SMOKE, [f"algorithm.name={alg}", *CONTRACT, *overrides])
     cfg.out = str(tmp)
     exp = build(cfg)
     smooth(exp.model.module)
@@ -69,7 +70,7 @@ def loop_state(tmp: Path, alg: str) -> list[torch.Tensor]:
 @functools.cache
 def contract_bounds() -> dict[str, int]:
     """The contract experiment's longest reduction and its sequential steps (rounds x (local steps + 1))."""
-    exp = build(load_config(CONFIG_DIR / "smoke.toml", CONTRACT))
+    exp = build(load_config(SMOKE, CONTRACT))
     lam = max(exp.plan.steps_for(int(n)) for n in exp.fed.sizes)
     x = exp.fed.preprocess(exp.fed.x_train[: exp.cfg.clients.batch_size])
     return {"reduction": longest_reduction(exp.model.module, x), "steps": exp.cfg.rounds * (lam + 1)}
@@ -244,7 +245,7 @@ def test_interrupt_in_the_parent_terminates_the_pool(monkeypatch: pytest.MonkeyP
 
 
 def test_divergence_closes_the_pool(tmp_path: Path) -> None:
-    cfg = load_config(CONFIG_DIR / "smoke.toml", ["rounds=40", "engine='process'", "algorithm.hafedho.mu=50.0"])
+    cfg = load_config(SMOKE, ["rounds=40", "engine='process'", "algorithm.hafedho.mu=50.0"])
     cfg.out = str(tmp_path)
     with pytest.raises(Divergence):
         run(build(cfg), tmp_path / "run", progress=False)
@@ -331,9 +332,9 @@ def test_auto_engine_names_its_choice() -> None:
 
 def test_engine_config_is_validated() -> None:
     for name in ("loop", "process", "vmap", "auto"):
-        assert load_config(CONFIG_DIR / "smoke.toml", [f"engine='{name}'"]).engine == name
+        assert load_config(SMOKE, [f"engine='{name}'"]).engine == name
     with pytest.raises(ConfigError, match="workers"):
-        load_config(CONFIG_DIR / "smoke.toml", ["workers=-1"])
+        load_config(SMOKE, ["workers=-1"])
     with pytest.raises(ValueError, match="engine='gpu'"):
         make_engine("gpu")
     with pytest.raises(ValueError, match="unknown engine option"):
@@ -357,7 +358,7 @@ def test_config_takes_engine_choices_and_options_from_the_registry() -> None:
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
 def test_every_registered_engine_builds_from_a_config(name: str) -> None:
-    cfg = load_config(CONFIG_DIR / "smoke.toml", [f"engine='{name}'", "workers=2", "vmap_chunk=3"])
+    cfg = load_config(SMOKE, [f"engine='{name}'", "workers=2", "vmap_chunk=3"])
     with engine_for(cfg) as eng:
         assert eng.name == name and callable(eng)
         for opt, kw in ENGINES[name].options.items():  # each option reaches the engine under its keyword

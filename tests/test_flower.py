@@ -28,6 +28,7 @@ from flower_helpers import (
     simulate_with_drops,
 )
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from helpers import no_wall
 
 from hafedho.algorithms import REGISTRY
 from hafedho.cli import main
@@ -42,10 +43,6 @@ from hafedho.results import RunBusy, RunLock, read_metrics
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
 # 3 clients, 2 per round: round 1 = {1, 2}, round 2 = {0, 2}; client 2 carries its state from round 1 into 2.
 SMALL = ("data.num_clients=3", "sampling.cohort_size=2", "rounds=2")
-
-
-def no_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
 
 
 def rows_close(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 1e-6) -> bool:

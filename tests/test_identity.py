@@ -12,18 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SMOKE, no_wall
 from tolerance import fp32_close, longest_reduction
 from torch import nn
 
 from hafedho.algorithms import HaFedHo, algorithm_from_table, resolve_algorithm
 from hafedho.cli import main
-from hafedho.config import CONFIG_DIR, ConfigError, experiment_identity, load_config
+from hafedho.config import ConfigError, experiment_identity, load_config
 from hafedho.experiment import build
 from hafedho.report.runs import hyperparameters
 from hafedho.results import RunDirError, read_metrics
 from hafedho.sim.runner import run
-
-SMOKE = CONFIG_DIR / "smoke.toml"
 
 
 def name_of(*overrides: str, path: Path = SMOKE) -> str:
@@ -126,8 +125,7 @@ def test_a_run_started_on_one_engine_resumes_on_any(tmp_path: Path, first: str, 
     got, want = read_metrics(part), read_metrics(ref)
     assert [r["round"] for r in got] == [1, 2, 3, 4] and [r.keys() for r in got] == [r.keys() for r in want]
     if first == then:
-        strip = [{k: v for k, v in r.items() if k != "wall_s"} for r in got]
-        assert strip == [{k: v for k, v in r.items() if k != "wall_s"} for r in want]
+        assert no_wall(got) == no_wall(want)
         assert all(torch.equal(a, b) for a, b in zip(final_state(part), final_state(ref), strict=True))
     else:
         counts = [[(k, v) for k, v in r.items() if isinstance(v, int)] for r in (*got, *want)]

@@ -6,11 +6,12 @@ import re
 
 import pytest
 import torch
+from helpers import SMOKE
 from tolerance import fp32_close, longest_reduction
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
-from hafedho.config import CONFIG_DIR, load_config
+from hafedho.config import load_config
 from hafedho.core import ConfigError, FunctionalModel
 from hafedho.experiment import build
 from hafedho.models import MODELS, build_model, count_flops, num_params
@@ -224,7 +225,7 @@ def test_list_options_are_taken_as_given() -> None:
 
 
 def test_bad_model_option_in_a_config_is_one_config_error_line() -> None:
-    cfg = load_config(CONFIG_DIR / "smoke.toml", ["model.name='mlp'", "model.options.hidden='64'"])
+    cfg = load_config(SMOKE, ["model.name='mlp'", "model.options.hidden='64'"])
     with pytest.raises(ConfigError, match=r"^model: model\.options\.hidden='64': expected a list of int") as err:
         build(cfg)
     assert "\n" not in str(err.value)

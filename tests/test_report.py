@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import run_smoke
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
@@ -265,7 +266,7 @@ def test_report_after_demo_and_plain_run_has_no_bookkeeping_axes(tmp_path: Path)
     assert sorted(f.name for f in files.figures) == ["accuracy.png"]
     assert "| algorithm | hidden=[64] | hidden=None |" in files.markdown.read_text()
     # a run that differs in many settings at once: no figure whose every panel would hold a single point
-    assert main(["run", "smoke", "--out", str(tmp_path / "smoke"), "--quiet"]) == 0
+    assert run_smoke(tmp_path / "smoke") == 0
     files = write_report(tmp_path, tmp_path / "rep")
     (section,) = load_sections(tmp_path)
     assert {"data.q", "data.num_clients", "model.name"} <= set(Layout.of(section).col_keys)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import no_wall, run_smoke
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, config_from_table, load_config
@@ -24,10 +25,6 @@ def run_in(out: Path) -> Path:
     """The one run directory in ``out`` (whatever its name)."""
     (run,) = [p for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")]
     return run
-
-
-def smoke(out: Path, *args: str) -> int:
-    return main(["run", "smoke", "--out", str(out), "--quiet", *args])
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -54,11 +51,11 @@ def test_a_run_name_is_one_safe_folder_name(name: str) -> None:
 @pytest.mark.parametrize("name", [".", ".."])
 def test_force_with_a_dot_name_destroys_nothing(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    assert smoke(out) == 0
+    assert run_smoke(out) == 0
     (tmp_path / "keep.txt").write_text("beside the output folder")
     before = snapshot(tmp_path)
     capsys.readouterr()
-    assert smoke(out, f"name={name}", "--force") == 2
+    assert run_smoke(out, f"name={name}", "--force") == 2
     one_error_line(capsys.readouterr().err, "a run name must be one folder name")
     assert snapshot(tmp_path) == before
 
@@ -69,7 +66,7 @@ def test_force_deletes_only_a_run_directory(tmp_path: Path) -> None:
     from hafedho.sim.runner import run
 
     out = tmp_path / "out"
-    assert smoke(out) == 0
+    assert run_smoke(out) == 0
     cfg = load_config(None, ["rounds=1"])
     before = snapshot(tmp_path)
     with pytest.raises(RunDirError, match=r"--force: .*out is not a hafedho run directory \(it holds \.locks, "):
@@ -82,7 +79,7 @@ def test_force_deletes_only_a_run_directory(tmp_path: Path) -> None:
         **before,
         "notes/todo.txt": (b"mine", (tmp_path / "notes/todo.txt").stat().st_mtime_ns),
     }
-    assert smoke(out, "--force") == 0  # a real run directory is deleted and run again
+    assert run_smoke(out, "--force") == 0  # a real run directory is deleted and run again
 
 
 # ----------------------------------------------------------------------------- one writer
@@ -91,7 +88,7 @@ def test_force_deletes_only_a_run_directory(tmp_path: Path) -> None:
 def test_a_second_writer_is_refused_and_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A real second process holds the run's lock (as a running `hafedho run` or sweep does)."""
     out = tmp_path / "out"
-    assert smoke(out, "rounds=2") == 0
+    assert run_smoke(out, "rounds=2") == 0
     (run_in(out) / "done").unlink()  # an interrupted run, as two `--resume` of it would find it
     holder = subprocess.Popen(
         [
@@ -109,13 +106,13 @@ def test_a_second_writer_is_refused_and_changes_nothing(tmp_path: Path, capsys: 
         before = snapshot(run_in(out))
         capsys.readouterr()
         for extra in (["--resume", "rounds=4"], ["--force"]):
-            assert smoke(out, *extra) == 2
+            assert run_smoke(out, *extra) == 2
             one_error_line(capsys.readouterr().err, f"is being written by another process (pid {holder.pid})")
             assert snapshot(run_in(out)) == before
     finally:
         holder.kill()
         holder.wait()
-    assert smoke(out, "--resume", "rounds=4") == 0  # the lock went with its holder
+    assert run_smoke(out, "--resume", "rounds=4") == 0  # the lock went with its holder
     assert [r["round"] for r in read_metrics(run_in(out))] == [1, 2, 3, 4]
 
 
@@ -164,13 +161,13 @@ def test_only_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
 
 def test_a_bad_middle_line_stops_resume_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    assert smoke(out, "rounds=6") == 0
+    assert run_smoke(out, "rounds=6") == 0
     metrics = run_in(out) / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text("".join(lines[:2]) + lines[2][:20] + "\n" + "".join(lines[3:]))
     before = snapshot(run_in(out))
     capsys.readouterr()
-    assert smoke(out, "rounds=8", "--resume") == 2
+    assert run_smoke(out, "rounds=8", "--resume") == 2
     one_error_line(capsys.readouterr().err, f"{metrics}: line 3 is not valid JSON")
     assert snapshot(run_in(out)) == before  # no row dropped, no done rewritten
     assert main(["report", str(out), "--out", str(tmp_path / "rep")]) == 2
@@ -184,16 +181,16 @@ def test_resume_never_shortens_and_never_rewrites_a_finished_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    assert smoke(out, "rounds=6") == 0
+    assert run_smoke(out, "rounds=6") == 0
     before = snapshot(run_in(out))
     capsys.readouterr()
-    assert smoke(out, "rounds=3", "--resume") == 2
+    assert run_smoke(out, "rounds=3", "--resume") == 2
     one_error_line(capsys.readouterr().err, "already holds 6 rounds; --resume with rounds=3 cannot shorten it")
     assert snapshot(run_in(out)) == before
-    assert smoke(out, "rounds=6", "--resume") == 0
+    assert run_smoke(out, "rounds=6", "--resume") == 0
     assert "already finished at round 6 (test/acc 0." in capsys.readouterr().out
     assert snapshot(run_in(out)) == before  # config.toml, env.json, done, metrics: not even rewritten
-    assert smoke(out, "rounds=8", "--resume") == 0  # extending a finished run continues it
+    assert run_smoke(out, "rounds=8", "--resume") == 0  # extending a finished run continues it
     assert [r["round"] for r in read_metrics(run_in(out))] == list(range(1, 9)) and (run_in(out) / "done").exists()
     assert "round 8, test/acc" in capsys.readouterr().out
 
@@ -206,9 +203,9 @@ def test_bad_places_and_values_are_one_line(
 ) -> None:
     afile = tmp_path / "a_file"
     afile.write_text("")
-    assert smoke(afile) == 2
+    assert run_smoke(afile) == 2
     one_error_line(capsys.readouterr().err, f"{afile} is a file, not a folder")
-    assert smoke(tmp_path, "seed=-1") == 2
+    assert run_smoke(tmp_path, "seed=-1") == 2
     one_error_line(capsys.readouterr().err, "seed=-1: must be >= 0")
     assert main(["demo", "--seeds", "0", "--out", str(tmp_path / "demo")]) == 2
     one_error_line(capsys.readouterr().err, "--seeds 0: need at least 1")
@@ -225,7 +222,7 @@ def test_bad_places_and_values_are_one_line(
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
     try:
-        assert smoke(ro / "runs") == 2
+        assert run_smoke(ro / "runs") == 2
         one_error_line(capsys.readouterr().err, "Permission denied; choose a writable output folder")
     finally:
         ro.chmod(0o755)
@@ -240,7 +237,7 @@ def test_ctrl_c_says_where_to_resume_and_resume_matches(
 ) -> None:
     import hafedho.rundir as rundir
 
-    assert smoke(tmp_path / "a", "rounds=6") == 0
+    assert run_smoke(tmp_path / "a", "rounds=6") == 0
     real = rundir.append_metrics
 
     def append(run_dir: Path, row: dict[str, Any]) -> None:
@@ -250,17 +247,14 @@ def test_ctrl_c_says_where_to_resume_and_resume_matches(
 
     monkeypatch.setattr(rundir, "append_metrics", append)
     capsys.readouterr()
-    assert smoke(tmp_path / "b", "rounds=6", "checkpoint_every=2") == 130
+    assert run_smoke(tmp_path / "b", "rounds=6", "checkpoint_every=2") == 130
     err = capsys.readouterr().err
     assert err == (
         f"hafedho: {run_in(tmp_path / 'b')}: interrupted at round 3; continue with --resume "
         "(from the checkpoint of round 2; round 3 is recomputed identically)\n"
     )
     monkeypatch.setattr(rundir, "append_metrics", real)
-    assert smoke(tmp_path / "b", "rounds=6", "checkpoint_every=2", "--resume") == 0
-
-    def no_wall(rows: list[dict]) -> list[dict]:
-        return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+    assert run_smoke(tmp_path / "b", "rounds=6", "checkpoint_every=2", "--resume") == 0
 
     assert no_wall(read_metrics(run_in(tmp_path / "a"))) == no_wall(read_metrics(run_in(tmp_path / "b")))
 

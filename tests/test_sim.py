@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import SMOKE, no_wall, smoke_config
 
-from hafedho.config import CONFIG_DIR, load_config
+from hafedho.config import load_config
 from hafedho.data.federated import BatchPlan, plan_indices
 from hafedho.experiment import build
 from hafedho.results import RunDirError, read_metrics
@@ -74,27 +75,18 @@ def test_batch_plan_epochs_mode() -> None:
         assert sorted(seen.tolist()) == list(range(7))
 
 
-def cfg_for(tmp_path: Path, *overrides: str):
-    from hafedho.cli import _config_path
-
-    cfg = load_config(_config_path("smoke"), ["rounds=6", "checkpoint_every=1", *overrides])
-    cfg.out = str(tmp_path)
-    return cfg
-
-
-def strip_wall(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+RESUMABLE = ("rounds=6", "checkpoint_every=1")  # the smoke config, six rounds, a checkpoint after each
 
 
 @pytest.mark.parametrize("alg", ["hafedho", "fedavg"])
 def test_resume_after_stop_is_bit_identical(tmp_path: Path, alg: str) -> None:
-    full = cfg_for(tmp_path / "a", f"algorithm.name={alg}")
+    full = smoke_config(tmp_path / "a", *RESUMABLE, f"algorithm.name={alg}")
     run(build(full), tmp_path / "a" / "run", progress=False)
-    part = cfg_for(tmp_path / "b", f"algorithm.name={alg}", "rounds=3")
+    part = smoke_config(tmp_path / "b", *RESUMABLE, f"algorithm.name={alg}", "rounds=3")
     run(build(part), tmp_path / "b" / "run", progress=False)
-    rest = cfg_for(tmp_path / "b", f"algorithm.name={alg}")
+    rest = smoke_config(tmp_path / "b", *RESUMABLE, f"algorithm.name={alg}")
     run(build(rest), tmp_path / "b" / "run", resume=True, progress=False)
-    assert strip_wall(read_metrics(tmp_path / "a" / "run")) == strip_wall(read_metrics(tmp_path / "b" / "run"))
+    assert no_wall(read_metrics(tmp_path / "a" / "run")) == no_wall(read_metrics(tmp_path / "b" / "run"))
     a = torch.load(tmp_path / "a" / "run" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=True)
     for x, y in zip(a["server"] + a["store"], b["server"] + b["store"], strict=True):
@@ -108,7 +100,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*cli, *args, "--out", str(tmp_path / "a")], check=True, env=env, capture_output=True)
     proc = subprocess.Popen([*cli, *args, "--out", str(tmp_path / "b")], env=env, stderr=subprocess.DEVNULL)
-    name = load_config(CONFIG_DIR / "smoke.toml", args[1:3]).run_name
+    name = load_config(SMOKE, args[1:3]).run_name
     metrics = tmp_path / "b" / name / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 8):
@@ -117,14 +109,14 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path: Path) -> None:
     proc.wait()
     assert not (tmp_path / "b" / name / "done").exists(), "the run finished before it was killed"
     subprocess.run([*cli, *args, "--out", str(tmp_path / "b"), "--resume"], check=True, env=env, capture_output=True)
-    a = strip_wall(read_metrics(tmp_path / "a" / name))
-    b = strip_wall(read_metrics(tmp_path / "b" / name))
+    a = no_wall(read_metrics(tmp_path / "a" / name))
+    b = no_wall(read_metrics(tmp_path / "b" / name))
     assert len(a) == 40 and a == b
 
 
 def test_divergence_stops_with_message_and_keeps_last_checkpoint(tmp_path: Path) -> None:
     """lambda*mu = 3 * 50 >> 1: the literal HaFedHo recursion explodes after a few good rounds."""
-    cfg = cfg_for(tmp_path, "rounds=40", "algorithm.hafedho.mu=50.0")
+    cfg = smoke_config(tmp_path, *RESUMABLE, "rounds=40", "algorithm.hafedho.mu=50.0")
     exp = build(cfg)
     with pytest.raises(Divergence) as err:
         run(exp, tmp_path / "run", progress=False)
@@ -141,18 +133,18 @@ def test_divergence_stops_with_message_and_keeps_last_checkpoint(tmp_path: Path)
 
 
 def test_existing_run_dir_needs_resume_or_force(tmp_path: Path) -> None:
-    cfg = cfg_for(tmp_path, "rounds=1")
+    cfg = smoke_config(tmp_path, *RESUMABLE, "rounds=1")
     run(build(cfg), tmp_path / "run", progress=False)
     with pytest.raises(RunDirError, match="holds a finished run; pass --resume to continue it or --force"):
         run(build(cfg), tmp_path / "run", progress=False)
-    other = cfg_for(tmp_path, "rounds=1", "algorithm.hafedho.mu=0.5")
+    other = smoke_config(tmp_path, *RESUMABLE, "rounds=1", "algorithm.hafedho.mu=0.5")
     with pytest.raises(RunDirError, match=r"holds another experiment \(differs in: algorithm.mu\)"):
         run(build(other), tmp_path / "run", resume=True, progress=False)
     run(build(other), tmp_path / "run", force=True, progress=False)
 
 
 def test_empty_bernoulli_round_is_logged_and_changes_nothing(tmp_path: Path) -> None:
-    cfg = cfg_for(tmp_path, "rounds=3", "sampling.mode='bernoulli'", "sampling.prob=0.0001")
+    cfg = smoke_config(tmp_path, *RESUMABLE, "rounds=3", "sampling.mode='bernoulli'", "sampling.prob=0.0001")
     run(build(cfg), tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")
     assert [r["cohort_size"] for r in rows] == [0, 0, 0]
@@ -160,7 +152,7 @@ def test_empty_bernoulli_round_is_logged_and_changes_nothing(tmp_path: Path) -> 
 
 
 def test_run_directory_contents(tmp_path: Path) -> None:
-    cfg = cfg_for(tmp_path, "rounds=2")
+    cfg = smoke_config(tmp_path, *RESUMABLE, "rounds=2")
     run(build(cfg), tmp_path / "run", progress=False)
     d = tmp_path / "run"
     for name in ("config.toml", "env.json", "metrics.jsonl", "partition.json", "run.json", "checkpoint.pt", "done"):
@@ -175,12 +167,18 @@ def test_run_directory_contents(tmp_path: Path) -> None:
 
 def test_disk_client_store_resume_is_bit_identical(tmp_path: Path) -> None:
     """Per-client state memory-mapped on disk (the 3,400-client FEMNIST path), snapshotted at checkpoints."""
-    run(build(cfg_for(tmp_path / "a", "client_store='memory'")), tmp_path / "a" / "run", progress=False)
-    run(build(cfg_for(tmp_path / "b", "client_store='disk'", "rounds=4")), tmp_path / "b" / "run", progress=False)
+    run(
+        build(smoke_config(tmp_path / "a", *RESUMABLE, "client_store='memory'")), tmp_path / "a" / "run", progress=False
+    )
+    run(
+        build(smoke_config(tmp_path / "b", *RESUMABLE, "client_store='disk'", "rounds=4")),
+        tmp_path / "b" / "run",
+        progress=False,
+    )
     b = tmp_path / "b" / "run"
     assert (b / "client_store" / "leaf0.npy").exists() and [p.name for p in b.glob("store_r*")] == ["store_r4"]
-    run(build(cfg_for(tmp_path / "b", "client_store='disk'")), b, resume=True, progress=False)
-    assert strip_wall(read_metrics(tmp_path / "a" / "run")) == strip_wall(read_metrics(b))
+    run(build(smoke_config(tmp_path / "b", *RESUMABLE, "client_store='disk'")), b, resume=True, progress=False)
+    assert no_wall(read_metrics(tmp_path / "a" / "run")) == no_wall(read_metrics(b))
     assert [p.name for p in b.glob("store_r*")] == ["store_r6"]
 
 
@@ -200,6 +198,6 @@ def test_any_user_module_runs_in_the_reference_engine(tmp_path: Path) -> None:
     def module() -> nn.Module:
         return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
 
-    exp = build(cfg_for(tmp_path, "rounds=2", "algorithm.name=fedavg"), module=module)
+    exp = build(smoke_config(tmp_path, *RESUMABLE, "rounds=2", "algorithm.name=fedavg"), module=module)
     last = run(exp, tmp_path / "run", progress=False)
     assert last["round"] == 2 and 0.0 <= last["test/acc"] <= 1.0

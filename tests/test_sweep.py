@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import SMOKE
 
 from hafedho.cli import main
-from hafedho.config import CONFIG_DIR, ConfigError, dump_toml, load_config
+from hafedho.config import ConfigError, dump_toml, load_config
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
 from hafedho.results import RunLock, read_metrics
@@ -146,9 +147,8 @@ def test_overrides_replace_axes_or_apply_to_all() -> None:
 def test_a_sweep_run_has_the_name_hafedho_run_gives_it(tmp_path: Path) -> None:
     """TINY is the smoke config (plus defaults written out, another horizon): its runs are `hafedho run smoke`'s
     directories, whatever the engine; a shared key that a selected algorithm's table contradicts is refused."""
-    smoke = CONFIG_DIR / "smoke.toml"
     specs = expand(load_preset(str(tiny(tmp_path))))
-    by_run = {load_config(smoke, [f"algorithm.name={s.label}", f"seed={s.seed}"]).run_name: s for s in specs}
+    by_run = {load_config(SMOKE, [f"algorithm.name={s.label}", f"seed={s.seed}"]).run_name: s for s in specs}
     assert set(by_run) == {s.name for s in specs} and len(specs) == 4
     assert all(by_run[s.name].run_dir == Path(s.cfg.out) / s.name for s in specs)
     assert [s.name for s in expand(load_preset(str(tiny(tmp_path))), overrides=["engine=process"])] == [

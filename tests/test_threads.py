@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import SMOKE, smoke_config
 
 from hafedho import rounds
-from hafedho.config import CONFIG_DIR, RUNTIME_KEYS, Config, load_config
+from hafedho.config import RUNTIME_KEYS, Config, load_config
 from hafedho.core import ConfigError
 from hafedho.experiment import build
 from hafedho.sim import runner
@@ -31,17 +32,11 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-def smoke(tmp: Path, *overrides: str) -> Config:
-    cfg = load_config(CONFIG_DIR / "smoke.toml", list(overrides))
-    cfg.out = str(tmp)
-    return cfg
-
-
 def test_threads_is_a_checked_runtime_setting() -> None:
     assert Config().threads == 1 and "threads" in RUNTIME_KEYS
-    assert load_config(CONFIG_DIR / "smoke.toml", ["threads=0"]).threads == 0
+    assert load_config(SMOKE, ["threads=0"]).threads == 0
     with pytest.raises(ConfigError, match=r"^threads=-1: must be >= 0$"):
-        load_config(CONFIG_DIR / "smoke.toml", ["threads=-1"])
+        load_config(SMOKE, ["threads=-1"])
 
 
 @pytest.mark.parametrize(("threads", "expected"), [(2, 2), (1, 1), (0, 3)])  # 0: the caller's setting stays
@@ -50,7 +45,7 @@ def test_run_uses_its_threads_and_restores_the_callers(
 ) -> None:
     torch.set_num_threads(3)
     try:
-        runner.run(build(smoke(tmp_path, f"threads={threads}")), tmp_path / "run", progress=False)
+        runner.run(build(smoke_config(tmp_path, f"threads={threads}")), tmp_path / "run", progress=False)
         assert spy == [expected, expected] and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(1)  # as conftest sets it
@@ -62,7 +57,7 @@ def test_threads_are_restored_when_a_run_fails(tmp_path: Path, monkeypatch: pyte
 
     monkeypatch.setattr(rounds, "evaluate", boom)
     with pytest.raises(KeyboardInterrupt):
-        runner.run(build(smoke(tmp_path, "threads=2")), tmp_path / "run", progress=False)
+        runner.run(build(smoke_config(tmp_path, "threads=2")), tmp_path / "run", progress=False)
     assert torch.get_num_threads() == 1
 
 
@@ -74,7 +69,7 @@ def test_sweep_with_one_job_follows_the_rule_of_many(
     monkeypatch.setattr(sweep, "available_cores", lambda: 2)
     assert sweep.share_of_cores(1) == 2 and sweep.share_of_cores(2) == 1 and sweep.share_of_cores(3) == 1
     specs = [
-        sweep.RunSpec(name, name, 0, {}, smoke(tmp_path, f"threads={t}", "rounds=1"))
+        sweep.RunSpec(name, name, 0, {}, smoke_config(tmp_path, f"threads={t}", "rounds=1"))
         for name, t in (("auto", 0), ("one", 1))
     ]
     result = sweep.run_sweep(specs, jobs=1, progress=False)

@@ -1,0 +1,28 @@
+"""Shared test helpers: the smoke config, a smoke run through the CLI, metrics rows without wall time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hafedho.cli import main
+from hafedho.config import CONFIG_DIR, Config, load_config
+
+SMOKE = CONFIG_DIR / "smoke.toml"
+
+
+def smoke_config(tmp: Path, *overrides: str, alg: str | None = None) -> Config:
+    """The smoke config with ``algorithm.name=alg`` (when given) then ``overrides`` applied, writing under ``tmp``."""
+    cfg = load_config(SMOKE, [*([f"algorithm.name={alg}"] if alg is not None else []), *overrides])
+    cfg.out = str(tmp)
+    return cfg
+
+
+def run_smoke(out: Path, *args: str) -> int:
+    """``hafedho run smoke --out OUT --quiet ARGS...``; its exit code."""
+    return main(["run", "smoke", "--out", str(out), "--quiet", *args])
+
+
+def no_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Metrics rows without ``wall_s``: the one column that differs between identical runs."""
+    return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
