@@ -108,7 +108,5 @@ class FedAvg(FedAlgorithm):
         upload = Upload(tree.sub(res.params, msg.params))
         return ClientResult(upload, aggregation_weight(info, self.weighting), state, self.train_metrics(res))
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
+    def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         return ServerState(tree.axpy(self.server_lr, agg.delta, server.params)), {}

@@ -57,9 +57,7 @@ class FedAvgM(FedAvg):
     def init_server(self, params: Params) -> ServerState:
         return ServerState(params, tree.zeros_like(params))
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
+    def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         v = tree.axpy(self.beta, server.v, tree.scale(agg.delta, -1.0))  # beta v + Delta_w, Delta_w = -mean Delta_i
         params = tree.axpy(-self.server_lr, v, server.params)
         return ServerState(params, v), {"server/v_norm": float(tree.sq_norm(v).sqrt())}

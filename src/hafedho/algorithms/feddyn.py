@@ -141,9 +141,7 @@ class FedDyn(FedAvg):
         weight = aggregation_weight(info, self.weighting)
         return ClientResult(Upload(delta), weight, new_state, self.train_metrics(res))
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
+    def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         h = tree.axpy(-self.alpha * rnd.cohort_size / rnd.num_clients, agg.delta, server.h)
         params = tree.axpy(-1.0 / self.alpha, h, tree.add(server.params, agg.delta))
         return ServerState(params, h), {"server/h_norm": float(tree.sq_norm(h).sqrt())}

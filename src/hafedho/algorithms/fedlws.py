@@ -181,7 +181,7 @@ class FedLWS(FedAvg):
         return res._replace(upload=Upload(delta, sq))
 
     def server_update(
-        self, server: ServerState, agg: Aggregate | Upload | None, rnd: RoundInfo
+        self, server: ServerState, agg: Aggregate | Upload, rnd: RoundInfo
     ) -> tuple[ServerState, dict[str, float]]:
         w, step = server.params, tree.scale(agg.delta, self.server_lr)
         new, gammas, ratios = {}, [], []

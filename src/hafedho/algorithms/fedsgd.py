@@ -83,7 +83,5 @@ class FedSGD(FedAvg):
         weight = aggregation_weight(info, self.weighting)
         return ClientResult(Upload(g), weight, state, {"train/loss": f})
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
+    def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         return ServerState(tree.axpy(-self.lr, agg.grad, server.params)), {}

@@ -139,9 +139,7 @@ class HaFedHo(FedAlgorithm):
         metrics = {"train/loss": res.loss, "train/objective": res.objective}
         return ClientResult(Upload(g_i, res.loss), weight, new_state, metrics)
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
+    def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         eta = self.lr if self.eta is None else self.eta
         params = tree.axpy(-eta, agg.g_i, server.params)
         return ServerState(params, agg.g_i, agg.f_hat_i), {"server/g_norm": float(tree.sq_norm(agg.g_i).sqrt())}

@@ -118,9 +118,7 @@ class MimeLite(FedAvg):
         c_i, _ = full_gradient(model, msg.params, self.full_data(data) if self.stats == "full" else data)
         return res._replace(upload=Upload(res.upload.delta, c_i))
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
+    def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         params = tree.axpy(self.server_lr, agg.delta, server.params)
         m = tree.axpy(self.grad_coef, agg.grad, tree.scale(server.m, self.beta))
         return ServerState(params, m), {"server/m_norm": float(tree.sq_norm(m).sqrt())}

@@ -119,9 +119,7 @@ class SCAFFOLD(FedAvg):
         weight = aggregation_weight(info, self.weighting)
         return ClientResult(upload, weight, ClientState(c_plus), self.train_metrics(res))
 
-    def server_update(
-        self, server: ServerState, agg: Upload | None, rnd: RoundInfo
-    ) -> tuple[ServerState, dict[str, float]]:
+    def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         params = tree.axpy(self.server_lr, agg.dy, server.params)
         c = tree.axpy(rnd.cohort_size / rnd.num_clients, agg.dc, server.c)
         return ServerState(params, c), {"server/c_norm": float(tree.sq_norm(c).sqrt())}

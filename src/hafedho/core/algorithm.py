@@ -142,7 +142,7 @@ class FedAlgorithm:
 
     def server_update(self, server: Any, agg: Any, rnd: RoundInfo) -> tuple[Any, dict[str, float]]:
         """The next ``ServerState`` from the aggregate, with server metrics; ``rnd.cohort_size`` counts the uploads
-        aggregated."""
+        aggregated. Never called for a round in which nobody reported (the runtime keeps the state as it is)."""
         raise NotImplementedError
 
     def eval_params(self, server: Any, client_state: Any = None) -> Params:
