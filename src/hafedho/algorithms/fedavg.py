@@ -19,9 +19,10 @@ from the broadcast model, built from two hooks, the two places where algorithms 
     ``objective``  the local objective phi (FedAvg: f_i itself); FedProx, MOON and FedDyn add terms
     ``transform``  how a gradient becomes a step (FedAvg: plain SGD); SCAFFOLD shifts it, MimeLite mixes in the
                    frozen server momentum, FedDyn can clip it
-plus ``train_metrics``, what a client logs (``train/objective`` beside the loss when phi is not f_i).
-A subclass that changes more (its upload, its client state, its server) overrides ``client_update`` (calling
-``train``), ``init_client``, ``server_update`` and its states. FedAvg's two settings can be pinned: a subclass
+plus ``next_state``, the client's state after its steps (FedAvg: unchanged; MOON and FedDyn keep one), and
+``logs_objective``, set where phi is not f_i so clients log ``train/objective`` beside the loss. A subclass that
+changes more (its upload, its server) overrides ``client_update`` (calling ``train``), ``init_client``,
+``server_update`` and its states. FedAvg's two settings can be pinned: a subclass
 whose paper has no server learning rate or weighting declares ``server_lr: ClassVar[float] = 1.0`` (or
 ``weighting: ClassVar[str] = "uniform"``), which keeps FedAvg's computation with that value and removes the
 hyperparameter (it is then no setting and not part of the run's identity).
@@ -34,7 +35,7 @@ defines the contract (``core.algorithm.FedAlgorithm``) itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from torch import Tensor
 
@@ -73,6 +74,7 @@ class Upload(NamedTuple):
 @dataclass(frozen=True, kw_only=True)
 class FedAvg(FedAlgorithm):
     name = "fedavg"
+    logs_objective: ClassVar[bool] = False  # True where the objective hook is not f_i: log train/objective too
     server_lr: float = hp(1.0, "server learning rate eta_g applied to the averaged delta", gt=0)
     weighting: str = hp("data_size", "aggregation weight p_i", choices=("data_size", "uniform"))
 
@@ -98,15 +100,22 @@ class FedAvg(FedAlgorithm):
         return local_train(objective, msg.params, data, self.transform(msg, state, info, rnd))
 
     def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
-        """What a client logs: the mean local loss (algorithms whose objective is not f_i add it)."""
+        """What a client logs: the mean local loss, and the mean objective where it is not f_i."""
+        if self.logs_objective:
+            return {"train/loss": res.loss, "train/objective": res.objective}
         return {"train/loss": res.loss}
+
+    def next_state(self, state: Any, res: LocalResult, delta: Params, info: ClientInfo, rnd: RoundInfo) -> Any:
+        """Hook: the client's state after its local steps (``delta`` = y_i - x_t); FedAvg's clients keep none."""
+        return state
 
     def client_update(
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
         res = self.train(msg, state, data, info, rnd, model)
-        upload = Upload(tree.sub(res.params, msg.params))
-        return ClientResult(upload, aggregation_weight(info, self.weighting), state, self.train_metrics(res))
+        delta = tree.sub(res.params, msg.params)
+        new_state = self.next_state(state, res, delta, info, rnd)
+        return ClientResult(Upload(delta), aggregation_weight(info, self.weighting), new_state, self.train_metrics(res))
 
     def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         return ServerState(tree.axpy(self.server_lr, agg.delta, server.params)), {}

@@ -33,9 +33,9 @@ The code's plain mean over the active clients and its h (the mean of all N clien
 agree with Algorithm 1.
 
 Diff from FedAvg: the ``objective`` hook (the linear and quadratic terms), the ``transform`` hook (SGD, clipped
-with ``max_grad_norm``), the client state grad L_k, uniform weights (``weighting`` pinned) and the server's h;
-Broadcast and Upload are FedAvg's. Never reduces to FedAvg: as alpha -> 0 the local steps become FedAvg's, but
--h/alpha is the running sum of (1/N) sum_k Delta_k over all rounds and still shifts the server model.
+with ``max_grad_norm``), the client state grad L_k (``next_state``), uniform weights (``weighting`` pinned) and
+the server's h; Broadcast and Upload are FedAvg's. Never reduces to FedAvg: as alpha -> 0 the local steps become
+FedAvg's, but -h/alpha is the running sum of (1/N) sum_k Delta_k over all rounds and still shifts the server model.
 """
 
 from __future__ import annotations
@@ -48,15 +48,12 @@ from torch import Tensor
 
 from hafedho.algorithms.fedavg import Broadcast, FedAvg, Upload
 from hafedho.core import (
-    ClientData,
     ClientInfo,
-    ClientResult,
     LocalResult,
     Model,
     Params,
     RoundInfo,
     Transform,
-    aggregation_weight,
     chain,
     hp,
     sgd,
@@ -93,6 +90,7 @@ class FedDyn(FedAvg):
     """FedAvg's local steps on the dynamically regularised objective; the server keeps h."""
 
     name = "feddyn"
+    logs_objective = True
     server_lr: ClassVar[float] = 1.0  # not a setting: theta^t is the mean theta_k^t - h^t / alpha
     weighting: ClassVar[str] = "uniform"  # not a setting: Algorithm 1 averages the active clients uniformly
     alpha: float = hp(0.01, "dynamic regulariser strength alpha", gt=0)
@@ -129,17 +127,11 @@ class FedDyn(FedAvg):
             return sgd(self.lr)
         return chain(clip_by_global_norm(self.max_grad_norm), sgd(self.lr))
 
-    def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
-        return {"train/loss": res.loss, "train/objective": res.objective}
-
-    def client_update(
-        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
-    ) -> ClientResult:
-        res = self.train(msg, state, data, info, rnd, model)
-        delta = tree.sub(res.params, msg.params)
-        new_state = ClientState(tree.axpy(-self.client_alpha(info, rnd), delta, state.grad_l))
-        weight = aggregation_weight(info, self.weighting)
-        return ClientResult(Upload(delta), weight, new_state, self.train_metrics(res))
+    def next_state(
+        self, state: ClientState, res: LocalResult, delta: Params, info: ClientInfo, rnd: RoundInfo
+    ) -> ClientState:
+        """``grad_L_i <- grad_L_i - alpha (theta_i - theta^{t-1})``."""
+        return ClientState(tree.axpy(-self.client_alpha(info, rnd), delta, state.grad_l))
 
     def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         h = tree.axpy(-self.alpha * rnd.cohort_size / rnd.num_clients, agg.delta, server.h)

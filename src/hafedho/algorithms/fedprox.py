@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from hafedho.algorithms.fedavg import Broadcast, FedAvg, ServerState, Upload
-from hafedho.core import ClientInfo, LocalResult, Model, Params, RoundInfo, hp, tree
+from hafedho.core import ClientInfo, Model, Params, RoundInfo, hp, tree
 from hafedho.core.types import Objective
 
 __all__ = ["Broadcast", "FedProx", "ServerState", "Upload"]
@@ -46,6 +46,7 @@ class FedProx(FedAvg):
     """FedAvg on the proximal objective."""
 
     name = "fedprox"
+    logs_objective = True
     server_lr: ClassVar[float] = 1.0  # not a setting: the paper's server averages
     mu: float = hp(0.01, "proximal strength mu in f_i(w) + mu/2 ||w - x_t||^2", ge=0)
 
@@ -58,6 +59,3 @@ class FedProx(FedAvg):
             return f + 0.5 * self.mu * tree.sq_norm(tree.sub(w, x_t)), f
 
         return phi
-
-    def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
-        return {"train/loss": res.loss, "train/objective": res.objective}

@@ -79,7 +79,7 @@ class FedSGD(FedAvg):
     def client_update(
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
-        g, f = full_gradient(model, msg.params, self.full_data(data) if self.batch == "full" else data)
+        g, f = full_gradient(model, msg.params, self.full_data(data) if self.needs_full_pass else data)
         weight = aggregation_weight(info, self.weighting)
         return ClientResult(Upload(g), weight, state, {"train/loss": f})
 

@@ -115,7 +115,7 @@ class MimeLite(FedAvg):
         self, msg: Broadcast, state: Any, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
         res = super().client_update(msg, state, data, info, rnd, model)  # FedAvg's Delta_i, weight and metrics
-        c_i, _ = full_gradient(model, msg.params, self.full_data(data) if self.stats == "full" else data)
+        c_i, _ = full_gradient(model, msg.params, self.full_data(data) if self.needs_full_pass else data)
         return res._replace(upload=Upload(res.upload.delta, c_i))
 
     def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:

@@ -45,7 +45,7 @@ differs only for dropout, i.e. ``femnist_cnn``); a FIFO pool of ``model_buffer_s
 (here: 1). Hyperparameters: tau = 0.5 (the paper's default); mu = 1 (code default; the paper tunes mu in
 {0.1, 1, 5, 10} and reports 5 for CIFAR-10, 1 for CIFAR-100 and Tiny-ImageNet).
 
-Diff from FedAvg: the ``objective`` hook, and a client state (the previous model) that ``client_update`` keeps;
+Diff from FedAvg: the ``objective`` hook, and a client state (the previous model) that ``next_state`` keeps;
 the server is FedAvg's with eta_g = 1 (``server_lr`` pinned, as the paper's). Reduces to FedAvg exactly (bit for
 bit, a test) when mu = 0: the contrastive forwards are then skipped.
 """
@@ -61,16 +61,12 @@ from torch import Tensor
 
 from hafedho.algorithms.fedavg import Broadcast, FedAvg, ServerState, Upload
 from hafedho.core import (
-    ClientData,
     ClientInfo,
-    ClientResult,
     LocalResult,
     Model,
     Params,
     RoundInfo,
-    aggregation_weight,
     hp,
-    tree,
 )
 from hafedho.core.types import Objective
 
@@ -101,6 +97,7 @@ class MOON(FedAvg):
     """FedAvg with the model-contrastive term in the objective; each client keeps its last local model."""
 
     name = "moon"
+    logs_objective = True
     server_lr: ClassVar[float] = 1.0  # not a setting: the paper's server averages
     mu: float = hp(1.0, "weight mu of the model-contrastive term (paper: 5 on CIFAR-10, 1 on CIFAR-100)", ge=0)
     tau: float = hp(0.5, "temperature tau of the contrastive loss", gt=0)
@@ -126,14 +123,8 @@ class MOON(FedAvg):
 
         return objective
 
-    def train_metrics(self, res: LocalResult) -> dict[str, Tensor]:
-        return {"train/loss": res.loss, "train/objective": res.objective}
-
-    def client_update(
-        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
-    ) -> ClientResult:
-        """FedAvg's, and the client keeps its final local model as the next round's w_i^{t-1}."""
-        res = self.train(msg, state, data, info, rnd, model)
-        upload = Upload(tree.sub(res.params, msg.params))
-        weight = aggregation_weight(info, self.weighting)
-        return ClientResult(upload, weight, ClientState(res.params), self.train_metrics(res))
+    def next_state(
+        self, state: ClientState, res: LocalResult, delta: Params, info: ClientInfo, rnd: RoundInfo
+    ) -> ClientState:
+        """The client keeps its final local model as the next round's w_i^{t-1}."""
+        return ClientState(res.params)
