@@ -81,6 +81,30 @@ def test_one_experiment_one_name_however_it_is_spelled(tmp_path: Path) -> None:
     assert experiment_identity(load_config(plain))["algorithm"]["mu"] == 0.01
 
 
+def test_a_setting_added_later_with_its_default_never_renames_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hash covers only non-default settings: a new algorithm option (added here to HaFedHo's field list with
+    its default) leaves every existing run name as it was, while a non-default value of it renames."""
+    import dataclasses
+
+    from hafedho import config as config_mod
+
+    before = name_of("algorithm.name=hafedho")
+    plain = config_mod._non_default(
+        {"a": 1, "algorithm": {"name": "x", "mu": 0.01, "new": False}},
+        {"a": 1, "algorithm": {"mu": 0.01, "new": False}},
+    )
+    assert plain == {"algorithm": {"name": "x"}}  # defaults dropped, the name always kept
+    grown = dataclasses.make_dataclass(
+        "Grown", [("new", bool, dataclasses.field(default=False))], bases=(HaFedHo,), frozen=True, kw_only=True
+    )
+    alg = load_config(SMOKE, ["algorithm.name=hafedho"]).selected_algorithm()
+    grown_alg = grown(**{f.name: getattr(alg, f.name) for f in dataclasses.fields(alg)})
+    monkeypatch.setattr(config_mod.Config, "selected_algorithm", lambda self: grown_alg)
+    assert name_of("algorithm.name=hafedho") == before
+    monkeypatch.setattr(config_mod.Config, "selected_algorithm", lambda self: dataclasses.replace(grown_alg, new=True))
+    assert name_of("algorithm.name=hafedho") != before
+
+
 def test_names_are_the_same_in_every_process() -> None:
     """No hash randomisation: another interpreter (another PYTHONHASHSEED) names the run identically."""
     code = "from hafedho.config import CONFIG_DIR, load_config; print(load_config(CONFIG_DIR / 'smoke.toml').run_name)"

@@ -149,10 +149,33 @@ def canonical_json(d: Any) -> str:
 
 def experiment_hash(cfg: Config) -> str:
     """8 hex digits of ``experiment_identity`` without the seed (seeds of one experiment share it; the run name
-    carries the seed). A hash collision cannot mix two experiments: resuming compares whole identities."""
-    ident = experiment_identity(cfg)
+    carries the seed), reduced to its settings that differ from the code defaults (``_non_default``); the
+    algorithm's name always counts. A hash collision cannot mix two experiments: resuming compares whole
+    identities."""
+    ident = _non_default(experiment_identity(cfg), _default_identity(cfg.selected_algorithm()))
     ident.pop("seed", None)
     return hashlib.sha256(canonical_json(ident).encode()).hexdigest()[:8]
+
+
+def _default_identity(alg: FedAlgorithm) -> dict[str, Any]:
+    """The identity of a config left at every code default, with ``alg``'s class at its defaults."""
+    ident = {k: v for k, v in Config().to_dict().items() if k not in RUNTIME_KEYS}
+    ident["algorithm"] = {f.name: f.default for f in dataclasses.fields(alg)}
+    return ident
+
+
+def _non_default(ident: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """``ident`` without the settings equal to ``ref``'s (recursively). The hash covers only these, so a setting
+    added later with a default never renames an existing run, and an explicit default is the same run."""
+    out: dict[str, Any] = {}
+    for k, v in ident.items():
+        if isinstance(v, dict) and isinstance(ref.get(k), dict):
+            sub = _non_default(v, ref[k])
+            if sub:
+                out[k] = sub
+        elif k not in ref or v != ref[k]:
+            out[k] = v
+    return out
 
 
 def identity_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
