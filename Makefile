@@ -8,13 +8,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# `make demo` needs only the package; tests also need the dev tools and Flower.
+# `make demo` needs only the package; tests also need the dev tools, Flower (with Ray) and the optional extras.
 $(VENV)/.base: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
 $(VENV)/.dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,flower]'
+	$(BIN)/pip install -q -e '.[dev,flower,ray,track,datasets]'
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
