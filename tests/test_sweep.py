@@ -80,7 +80,7 @@ def test_every_preset_expands_to_valid_configs(name: str, scale: str) -> None:
     assert specs and len({s.name for s in specs}) == len(specs)
     assert [s.name for s in expand(load_preset(name, scale))] == [s.name for s in specs]  # deterministic names
     for s in specs:
-        assert s.cfg.run_name == s.name and s.cfg.out == f"runs/paper-{scale}"
+        assert s.cfg.run_name == s.name and s.cfg.out == f"results/paper-{scale}"
         alg = s.cfg.algorithm
         assert not [k for k, v in alg.items() if isinstance(v, dict) and k != alg["name"]]  # pruned tables
     if scale == "cpu":

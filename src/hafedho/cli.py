@@ -186,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the preset's, usually 3)")
     sw.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default 1)")
     sw.add_argument("--scale", choices=("cpu", "full"), default="cpu", help="cpu (default) or the paper's full scale")
-    sw.add_argument("--out", help="folder for the run directories (default: the preset's, e.g. runs/paper-cpu)")
+    sw.add_argument("--out", help="folder for the run directories (default: the preset's, e.g. results/paper-cpu)")
     sw.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
     sw.add_argument("--quiet", action="store_true", help="no progress bar or per-run lines")
     sw.set_defaults(func=cmd_sweep)

@@ -5,7 +5,7 @@ A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
     extends = "_common"          # optional: a preset in the same folder, deep-merged under this one
     description = "..."
     seeds = 3                    # default for --seeds (seeds 0..n-1)
-    out = "runs/paper"           # sweep folder; "-SCALE" is appended (runs/paper-cpu)
+    out = "results/paper"        # sweep folder; "-SCALE" is appended (results/paper-cpu)
     [base]                       # an ordinary hafedho config; dotted keys are allowed anywhere
     [grid]                       # axis -> values; one run per point of the cartesian product and seed
     "data.q" = [0.1, 0.3]        #   a config key, or
