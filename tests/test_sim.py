@@ -115,14 +115,15 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path: Path) -> None:
 
 
 def test_divergence_stops_with_message_and_keeps_last_checkpoint(tmp_path: Path) -> None:
-    """lambda*mu = 3 * 50 >> 1: the literal HaFedHo recursion explodes after a few good rounds."""
+    """lambda*mu = 3 * 50 >> 1: the literal HaFedHo recursion explodes after a good round (caught by the early
+    blow-up guard or as non-finite, whichever comes first)."""
     cfg = smoke_config(tmp_path, *RESUMABLE, "rounds=40", "algorithm.hafedho.mu=50.0")
     exp = build(cfg)
     with pytest.raises(Divergence) as err:
         run(exp, tmp_path / "run", progress=False)
     msg = str(err.value)
     bad = int(msg.split("round ")[1].split(":")[0])
-    assert bad > 2 and f"last good checkpoint: round {bad - 1} in" in msg and "\n" not in msg
+    assert bad >= 2 and f"last good checkpoint: round {bad - 1} in" in msg and "\n" not in msg
     assert (tmp_path / "run" / "diverged").exists() and not (tmp_path / "run" / "done").exists()
     done_round, server, _, _ = checkpoint.load(
         tmp_path / "run" / "checkpoint.pt", exp.alg.init_server(exp.model.params())
@@ -130,6 +131,26 @@ def test_divergence_stops_with_message_and_keeps_last_checkpoint(tmp_path: Path)
     assert done_round == bad - 1 and all(torch.isfinite(v).all() for v in server.params.values())
     assert len(read_metrics(tmp_path / "run")) == bad - 1
     assert "lambda*mu = 3*50.0 = 150 >= 1" in json.loads((tmp_path / "run" / "run.json").read_text())["warnings"][0]
+
+
+def test_an_early_blow_up_is_diverged_naming_the_lr(tmp_path: Path) -> None:
+    """lr = 10 on the smoke logreg: round 1's mean local loss (13.2) is finite but over 2x the initial model's
+    (2.40, ln 10 = 2.30), so the run stops there as diverged and the one line names the lr; lr = 0.1 passes."""
+    from hafedho.rounds import BLOWUP_FACTOR, BLOWUP_ROUNDS, ServerRounds
+
+    cfg = smoke_config(tmp_path, *RESUMABLE, "rounds=3", "algorithm.name=fedavg", "algorithm.lr=10.0")
+    exp = build(cfg)
+    with pytest.raises(Divergence) as err:
+        run(exp, tmp_path / "run", progress=False)
+    msg = str(err.value)
+    assert msg.startswith("run diverged at round 1: the mean local loss ") and "\n" not in msg
+    assert "algorithm.lr = 10 is too large here: lower it" in msg and "last good checkpoint: none" in msg
+    assert (tmp_path / "run" / "diverged").read_text().strip() == msg and len(read_metrics(tmp_path / "run")) == 0
+    start = ServerRounds(exp, exp.alg.init_server(exp.model.params()), None).start_loss()
+    assert 2.0 < start < 3.0  # a fresh 10-class classifier: about ln 10
+    assert BLOWUP_FACTOR == 2.0 and BLOWUP_ROUNDS == 10  # the documented rule (README, Running experiments)
+    ok = smoke_config(tmp_path, *RESUMABLE, "rounds=3", "algorithm.name=fedavg")
+    assert run(build(ok), tmp_path / "ok", progress=False)["round"] == 3
 
 
 def test_existing_run_dir_needs_resume_or_force(tmp_path: Path) -> None:
