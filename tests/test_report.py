@@ -212,11 +212,21 @@ def test_hyperparameter_sweep_plot_and_best_table(tmp_path: Path) -> None:
     assert sorted(f.name for f in files.figures) == ["accuracy.png", "hafedho_vs_mu.png"]
     (section,) = load_sections(tmp_path)
     tables = {t.slug: t for t in section_tables(section)}
-    assert tables["best_hyper"].rows[0][1].text == "objective mu=0.01: 80.50 ± 0.71"
+    assert tables["best_hyper"].rows[0][1].text == "objective mu=0.01: 80.50 ± 0.71"  # 0.1 was tried: no edge
+    assert "* = at the edge of its grid" in tables["best_hyper"].note
     final = {r[0].text: r[2].text for r in tables["final"].rows}  # algorithm | seeds | final | best
     assert (
         final["hafedho objective mu=0.1"] == "diverged (1/1)" and final["hafedho gradient mu=0.001"] == "70.50 ± 0.71"
     )
+
+
+def test_best_hyperparameters_at_the_edge_of_their_grid_are_marked() -> None:
+    from hafedho.report.tables.best_hyper import _edge
+
+    grid = [(("lr", 0.01), ("mu", 0.1)), (("lr", 0.03), ("mu", 0.1)), (("lr", 0.1), ("mu", 1.0))]
+    assert [_edge("lr", v, grid) for v in (0.01, 0.03, 0.1)] == ["*", "", "*"]
+    assert _edge("mu", 0.1, grid) == "*" and _edge("mu", 0.1, grid[:2]) == ""  # one value tried: no edge
+    assert _edge("accumulate", "phi", [(("accumulate", "phi"),), (("accumulate", "f"),)]) == ""
 
 
 def test_hyperparameter_set_per_column_keeps_one_row(tmp_path: Path) -> None:
