@@ -424,3 +424,39 @@ def test_seeds_of_different_lengths_are_pooled_and_said_so(tmp_path: Path) -> No
     final = next(t for t in section_tables(section) if t.slug == "final")
     assert [r[1].text for r in final.rows] == ["2"]
     assert "seeds of different lengths pooled (rounds): fedavg 2, 4" in final.note
+
+
+def test_verdict_rule_by_hand() -> None:
+    """A difference counts only above the larger std over >= 3 seeds; the twin decides 'holds' vs 'momentum'."""
+    from hafedho.report.tables.verdict import FAILS, HOLDS, TIE, TWIN_MATCHES, verdict
+
+    own, base = Stat([0.80, 0.81, 0.82], 3), Stat([0.70, 0.71, 0.72], 3)  # std 0.01, gap 0.10
+    assert verdict(own, base, None) == HOLDS and verdict(base, own, None) == FAILS
+    assert verdict(own, base, Stat([0.60, 0.61, 0.62], 3)) == HOLDS
+    assert verdict(own, base, Stat([0.80, 0.805, 0.81], 3)) == TWIN_MATCHES
+    assert verdict(own, Stat([0.70, 0.80, 0.90], 3), None) == TIE  # gap 0.01 < std 0.1
+    assert verdict(Stat([0.9, 0.9], 2), base, None).startswith("not judged: 2 seeds")
+
+
+def test_verdict_table_from_hand_made_runs(tmp_path: Path) -> None:
+    """HaFedHo > FedAvg by far more than the spread, the twin within it: the verdict names server momentum; the
+    centralised reference is never the best baseline."""
+    runs = []
+    accs = {"hafedho": 0.80, "fedavg": 0.70, "hafedho-twin": 0.795, "centralized": 0.95}
+    for label, acc in accs.items():
+        alg = {"hafedho-twin": "fedavgm", "centralized": "fedavg"}.get(label, label)
+        for s in range(3):
+            name = f"{label}-s{s}"
+            make_run(tmp_path, name, alg, s, [acc - 0.2, acc + 0.005 * s])
+            entry = {"dir": name, "label": label, "seed": s, "point": {}, "reference": label == "centralized"}
+            runs.append(entry)
+    write_index(tmp_path, "t1", runs, {"last": 1}, [])
+    (section,) = load_sections(tmp_path)
+    tables = {t.slug: t for t in section_tables(section)}
+    (row,) = tables["verdict"].rows
+    assert [c.text for c in row[1:]] == [
+        "80.50 ± 0.50",
+        "fedavg: 70.50 ± 0.50",
+        "80.00 ± 0.50",
+        "holds, but the twin matches it (the gain is server momentum)",
+    ]

@@ -15,12 +15,14 @@ from hafedho.report.tables.best_hyper import best_hyper_table
 from hafedho.report.tables.final import accuracy_tables
 from hafedho.report.tables.rounds import rounds_tables
 from hafedho.report.tables.status import status_table
+from hafedho.report.tables.verdict import verdict_table
 
 # kind -> builder, in the default order
 TABLES: dict[str, Callable[[Layout], list[Table]]] = {
     "final": accuracy_tables,
     "rounds": rounds_tables,
     "best_hyper": best_hyper_table,
+    "verdict": verdict_table,
 }
 
 

@@ -1,0 +1,99 @@
+"""The verdict table: per column, HaFedHo against the best baseline and its momentum twin, with one plain verdict.
+
+The rule (docs/results/README.md states it): a difference counts only when it exceeds the larger of the two
+standard deviations over at least ``MIN_SEEDS`` seeds. Then
+
+    HaFedHo beats the best baseline, and also its twin (or no twin exists)  -> "holds"
+    HaFedHo beats the best baseline, but not its twin                       -> "holds, but the twin matches it
+                                                                               (the gain is server momentum)"
+    no difference counts                                                    -> "tie"
+    the best baseline beats HaFedHo                                         -> "does not hold"
+
+Baselines are every competitor row but HaFedHo's own family (labels starting with ``hafedho``: the twin, the
+Proposition 1 ideal) and references (centralised). A label split into several rows by a hyperparameter (fig3's mu)
+counts with its best row.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hafedho.report.layout import Layout, pct
+from hafedho.report.stats import Stat, accuracy_stat
+from hafedho.report.table import Cell, Table
+
+MIN_SEEDS = 3
+OWN = "hafedho"
+TWIN = "hafedho-twin"
+
+HOLDS = "holds"
+TWIN_MATCHES = "holds, but the twin matches it (the gain is server momentum)"
+TIE = "tie"
+FAILS = "does not hold"
+
+
+def beats(a: Stat, b: Stat) -> bool:
+    """``a`` is higher than ``b`` by more than the larger of their standard deviations."""
+    return a.mean - b.mean > max(a.std, b.std)
+
+
+def verdict(own: Stat, baseline: Stat, twin: Stat | None) -> str:
+    """The plain verdict of the module docstring; too few seeds on either side is said, never judged."""
+    n = min(own.n, baseline.n)
+    if n < MIN_SEEDS:
+        return f"not judged: {n} seed{'s' if n != 1 else ''} (needs {MIN_SEEDS})"
+    if beats(own, baseline):
+        if twin is not None and twin.n >= MIN_SEEDS and not beats(own, twin):
+            return TWIN_MATCHES
+        return HOLDS
+    return FAILS if beats(baseline, own) else TIE
+
+
+def verdict_table(lay: Layout) -> list[Table]:
+    """One row per column of the layout where HaFedHo and a baseline both have finished seeds."""
+    s = lay.section
+    labels = {r[0] for r in lay.rows}
+    if OWN not in labels:
+        return []
+    header = ["setting", "HaFedHo", "best baseline", "twin (FedAvgM, β = λμ)", "verdict"]
+    rows = []
+    for col in lay.columns:
+        best = {lab: _best_of(lay, lab, col) for lab in labels}
+        own = best.get(OWN)
+        baselines = [
+            (st, lab)
+            for lab, st in best.items()
+            if st is not None and not lab.startswith(OWN) and not _is_reference(lay, lab) and st.n
+        ]
+        if own is None or not own.n or not baselines:
+            continue
+        base, base_label = max(baselines, key=lambda t: t[0].mean)
+        twin = best.get(TWIN)
+        rows.append(
+            [
+                Cell(lay.col_name(col) if lay.col_keys else s.title),
+                Cell(pct(own)),
+                Cell(f"{lay.section.names().get(base_label, base_label)}: {pct(base)}"),
+                Cell(pct(twin) if twin is not None and twin.n else "none"),
+                Cell(verdict(own, base, twin if twin is not None and twin.n else None)),
+            ]
+        )
+    if not rows:
+        return []
+    note = (
+        f"final {s.metric_label} (%), mean ± std over seeds; a difference counts only when it exceeds the larger "
+        f"of the two standard deviations over at least {MIN_SEEDS} seeds; a label with several rows counts with "
+        "its best"
+    )
+    return [Table("verdict", f"Verdict: {s.title}", header, rows, note)]
+
+
+def _best_of(lay: Layout, label: str, col: dict) -> Stat | None:
+    s = lay.section
+    stats = [accuracy_stat(g, s.metric, s.last) for r in lay.rows if r[0] == label and (g := lay.group_at(r, col))]
+    stats = [st for st in stats if math.isfinite(st.mean)]
+    return max(stats, key=lambda st: st.mean) if stats else None
+
+
+def _is_reference(lay: Layout, label: str) -> bool:
+    return any(lay.is_reference(r) for r in lay.rows if r[0] == label)
