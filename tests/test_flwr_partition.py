@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_alpha_and_min_size_default_to_q_and_min_size() -> None:
     )
 
 
-def test_same_as_federated_dataset(tmp_path: Path) -> None:
+def test_same_as_federated_dataset(tmp_path: Path, no_network: None) -> None:
     """FederatedDataset itself, on the labels written to a local parquet file (its shuffle, then the partitioner)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -97,16 +98,21 @@ def test_natural_ids_by_group_equal_our_natural_partition() -> None:
     assert [p.tolist() for p in got] == [np.flatnonzero(groups == g).tolist() for g in range(6)]
 
 
-def test_never_touches_the_network(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to open a connection fails the test."""
+
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"network access: {args}")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_never_touches_the_network(no_network: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     parts = flwr_partition("flwr:ShardPartitioner", LABELS, N, SEED, {"num_shards_per_partition": 4})  # 40 shards of 50
     assert sum(len(p) for p in parts) == len(LABELS)
-    import os
 
     assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
     assert datasets.config.HF_HUB_OFFLINE is True
