@@ -17,6 +17,7 @@ from typing import Any
 
 from hafedho.algorithms import algorithm_from_table, applicable
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
+from hafedho.data.partition import FLWR, PARTITIONS
 from hafedho.sim.engines.registry import ENGINES, engine_help, option_field
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -40,7 +41,7 @@ def runtime(f: Any) -> Any:
 class DataConfig:
     source: str = hp("digits", "data source (see `hafedho datasets`)")
     path: str | None = hp(None, "file or folder to read; None = the source's default")
-    partition: str = hp("dirichlet", "how train data is split", choices=("dirichlet", "iid", "natural"))
+    partition: str = hp("dirichlet", "how train data is split: dirichlet, iid, natural or flwr:<Partitioner>")
     q: float = hp(0.3, "Dirichlet concentration (smaller = more heterogeneous)", gt=0)
     num_clients: int = hp(0, "N; 0 = all groups for natural, 100 otherwise", ge=0)
     min_size: int = hp(10, "Dirichlet: redraw until every client holds at least this many samples", ge=1)
@@ -49,6 +50,7 @@ class DataConfig:
         None, "held-out share of each client's data for personalised accuracy; None = 0.2 if personalised", ge=0, lt=1
     )
     options: dict | None = hp(None, "source-specific options, e.g. {alpha = 1.0, beta = 1.0} for synthetic")
+    partition_options: dict | None = hp(None, "flwr:<Partitioner>'s constructor options, e.g. {alpha = 0.5}")
 
 
 @dataclass
@@ -274,12 +276,27 @@ def validate(cfg: Config) -> Config:
     if cfg.name is not None:
         check_run_name(cfg.name)
     s = cfg.sampling
+    check_partition(cfg.data)
     if cfg.data.partition != "natural" and cfg.data.num_clients == 0:
         cfg.data.num_clients = 100
     n = cfg.data.num_clients
     if s.mode == "fixed" and n and s.cohort_size > n:
         raise ConfigError(f"sampling.cohort_size={s.cohort_size} exceeds data.num_clients={n}; lower it")
     return cfg
+
+
+def check_partition(d: DataConfig) -> None:
+    """``data.partition`` is one of ours or ``flwr:<Partitioner>``; ``partition_options`` go with the latter only."""
+    flwr = d.partition.startswith(FLWR) and len(d.partition) > len(FLWR)
+    if d.partition not in PARTITIONS and not flwr:
+        raise ConfigError(
+            f"data.partition={d.partition!r}: choose one of {', '.join(map(repr, PARTITIONS))} or "
+            f"'{FLWR}<Partitioner>' (e.g. '{FLWR}DirichletPartitioner')"
+        )
+    if d.partition_options is not None and not flwr:
+        raise ConfigError(
+            f"data.partition_options: only for data.partition='{FLWR}<Partitioner>'; remove it or use data.q"
+        )
 
 
 def check_run_name(name: str) -> None:

@@ -18,6 +18,7 @@ from hafedho.core import FedAlgorithm, FunctionalModel
 from hafedho.core.seeds import seed_for
 from hafedho.data import partition as P
 from hafedho.data.federated import BatchPlan, FederatedData, split_local_test
+from hafedho.data.flwr_partition import flwr_partition
 from hafedho.data.sources import Dataset, load_dataset
 from hafedho.models import build_model
 from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
@@ -59,6 +60,10 @@ def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:
         return parts
     if d.partition == "iid":
         return P.iid(len(ds.y_train), d.num_clients, seed)
+    if d.partition.startswith(P.FLWR):
+        return flwr_partition(
+            d.partition, ds.y_train, d.num_clients, seed, d.partition_options, ds.groups, d.q, d.min_size
+        )
     return P.dirichlet(ds.y_train, d.num_clients, d.q, seed, min_size=d.min_size)
 
 

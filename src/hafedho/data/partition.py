@@ -14,6 +14,8 @@ from numbers import Integral, Real
 import numpy as np
 
 __all__ = [
+    "FLWR",
+    "PARTITIONS",
     "PartitionError",
     "dirichlet",
     "iid",
@@ -25,6 +27,10 @@ __all__ = [
 
 class PartitionError(ValueError):
     """A partition request that cannot be met; the message is one user-facing line."""
+
+
+PARTITIONS = ("dirichlet", "iid", "natural")  # data.partition: ours, or FLWR + a flwr-datasets partitioner's name
+FLWR = "flwr:"  # e.g. "flwr:DirichletPartitioner" (hafedho.data.flwr_partition)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
