@@ -82,6 +82,15 @@ def test_fedadam_server_update_is_adams_step_in_float64() -> None:
     assert not np.allclose(ref_x["w"], x["w"].numpy())  # the step moved the model
 
 
+def test_the_tutorial_shows_the_example_as_it_is() -> None:
+    """docs/extending.md's code block is examples/server_adam/fedadam.py without its docstring, character for
+    character: the tutorial cannot drift from the file CI runs."""
+    code = (REPO / "examples" / "server_adam" / "fedadam.py").read_text()
+    body = code[code.index("from dataclasses") :]
+    assert f"```python\n{body}```" in (REPO / "docs" / "extending.md").read_text()
+    assert len([line for line in body.splitlines() if line.strip()]) <= 32  # "about 30 lines"
+
+
 def test_fedadam_paper_defaults() -> None:
     alg = algorithm_class(FEDADAM)()
     assert isinstance(alg, FedAvg) and (alg.beta1, alg.beta2, alg.tau, alg.weighting) == (0.9, 0.99, 1e-3, "uniform")
