@@ -17,6 +17,7 @@ from typing import Any
 
 from hafedho.algorithms import algorithm_from_table, applicable
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
+from hafedho.core.refs import file_name
 from hafedho.data.partition import FLWR, PARTITIONS
 from hafedho.sim.engines.registry import ENGINES, engine_help, option_field
 
@@ -114,7 +115,7 @@ class Config:
         directory, even under one name; the same experiment always gets the same one (``hafedho run``, sweeps
         and Flower alike), whatever the engine, and a run with more ``rounds`` continues it.
         """
-        prefix = self.name or f"{self.algorithm.get('name')}-{self.data.source}"
+        prefix = self.name or file_name(f"{self.algorithm.get('name')}-{self.data.source}")
         return f"{prefix}-{experiment_hash(self)}-s{self.seed}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,7 +141,8 @@ def experiment_identity(cfg: Config) -> dict[str, Any]:
     experiment, and another algorithm's table never matters. Raises ConfigError for a bad ``[algorithm]``."""
     alg = cfg.selected_algorithm()
     ident = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS}
-    ident["algorithm"] = {"name": alg.name, **{f.name: getattr(alg, f.name) for f in dataclasses.fields(alg)}}
+    name = cfg.algorithm["name"]  # as given: a registered name or a reference "package.module:Class"
+    ident["algorithm"] = {"name": name, **{f.name: getattr(alg, f.name) for f in dataclasses.fields(alg)}}
     return ident
 
 

@@ -1,7 +1,13 @@
-"""The algorithm registry: CLI name -> class. File name = registry key = CLI name."""
+"""The algorithm registry: CLI name -> class. File name = registry key = CLI name.
+
+A user's algorithm (a ``FedAlgorithm`` subclass in their own module) is named by a reference
+``"package.module:Class"`` wherever a name goes (``algorithm.name``, overrides, presets), imported on demand
+(``hafedho.core.refs``), or registered under a plain name by ``hafedho.register`` (in that process only).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +23,7 @@ from hafedho.algorithms.moon import MOON
 from hafedho.algorithms.pfedafm import PFedAFM
 from hafedho.algorithms.scaffold import SCAFFOLD
 from hafedho.core import ConfigError, FedAlgorithm
+from hafedho.core.refs import import_reference, is_reference
 
 # The paper's order: HaFedHo, its eight baselines, then FedAvgM and FedSGD.
 REGISTRY: dict[str, type[FedAlgorithm]] = {
@@ -25,11 +32,35 @@ REGISTRY: dict[str, type[FedAlgorithm]] = {
 }
 
 
-def build_algorithm(name: str, settings: dict[str, Any] | None = None) -> FedAlgorithm:
-    """Instantiate a registered algorithm from its config table (strictly validated)."""
+def algorithm_class(name: str) -> type[FedAlgorithm]:
+    """The class ``algorithm.name`` names: a registered name, or a reference ``"package.module:Class"``."""
+    if is_reference(name):
+        return check_algorithm_class(import_reference("algorithm.name", name, ConfigError), f"algorithm.name={name!r}")
     if name not in REGISTRY:
-        raise ConfigError(f"algorithm.name={name!r}: unknown algorithm; choose one of {', '.join(REGISTRY)}")
-    return REGISTRY[name].from_config(settings or {})
+        raise ConfigError(
+            f"algorithm.name={name!r}: unknown algorithm; choose one of {', '.join(REGISTRY)}, or name your own "
+            "class by reference, algorithm.name='package.module:Class'"
+        )
+    return REGISTRY[name]
+
+
+def check_algorithm_class(obj: object, where: str) -> type[FedAlgorithm]:
+    """``obj`` if it is a usable algorithm class, else one line saying what to change."""
+    if not (isinstance(obj, type) and issubclass(obj, FedAlgorithm)):
+        what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+        raise ConfigError(
+            f"{where}: {what} is not a FedAlgorithm subclass; subclass hafedho.algorithms.FedAvg (or "
+            "hafedho.core.FedAlgorithm)"
+        )
+    if any(isinstance(v, dataclasses.Field) for v in vars(obj).values()):
+        # undecorated, its hp(...) fields would stay class attributes holding Field objects: silently wrong values
+        raise ConfigError(f"{where}: decorate class {obj.__name__} with @dataclass(frozen=True, kw_only=True)")
+    return obj
+
+
+def build_algorithm(name: str, settings: dict[str, Any] | None = None) -> FedAlgorithm:
+    """Instantiate the algorithm ``name`` names (``algorithm_class``) from its settings (strictly validated)."""
+    return algorithm_class(name).from_config(settings or {})
 
 
 def applicable(table: Mapping[str, Any]) -> dict[str, Any]:
@@ -54,7 +85,7 @@ def resolve_algorithm(table: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(name, str):
         raise ConfigError("algorithm: needs a table with name = '<algorithm>' (see `hafedho algorithms`)")
     for key, value in table.items():
-        if isinstance(value, dict) and key not in REGISTRY:
+        if isinstance(value, dict) and key not in REGISTRY and not is_reference(key):
             raise ConfigError(f"algorithm.{key}: not an algorithm; per-algorithm tables are: {', '.join(REGISTRY)}")
     shared = {k: v for k, v in table.items() if k != "name" and not isinstance(v, dict)}
     own = dict(table.get(name, {}))

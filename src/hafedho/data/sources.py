@@ -3,6 +3,10 @@
 Each source is a ``load(path, **options) -> Dataset`` function registered in :data:`SOURCES`;
 :func:`load_dataset` looks one up, fills in its default path and turns every failure into a one-line
 :class:`DataError` that names the file and the fix. Each source family has its own module.
+
+A user's source is named by a reference ``data.source = "package.module:name"`` (a :class:`Source`, or a function
+``load(path=None, **options) -> Dataset``; imported on demand by ``hafedho.core.refs``) or registered by
+``hafedho.register``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from hafedho.data.imagefolder import IMAGEFOLDER
 from hafedho.data.npz import NPZ
 from hafedho.data.safe_pickle import DataError
 
-__all__ = ["SOURCES", "DataError", "Dataset", "Source", "load_dataset"]
+__all__ = ["SOURCES", "DataError", "Dataset", "Source", "as_source", "load_dataset"]
 
 
 # The registry: ``hafedho datasets`` lists the sources in this order. A new source is a module declaring its
@@ -29,7 +33,7 @@ def load_dataset(name: str, path: str | None = None, **options: object) -> Datas
     """Load a registered source by name.
 
     Args:
-        name: A key of :data:`SOURCES`.
+        name: A key of :data:`SOURCES`, or a reference ``"package.module:name"`` (see :func:`as_source`).
         path: File or directory to read; ``None`` uses the source's ``default_path``.
         **options: Source-specific options (e.g. ``alpha`` for synthetic, ``label`` for cifar100).
 
@@ -37,8 +41,15 @@ def load_dataset(name: str, path: str | None = None, **options: object) -> Datas
         DataError: Unknown source or option, missing or unreadable data.
     """
     source = SOURCES.get(name)
+    if source is None and ":" in name:
+        from hafedho.core.refs import import_reference  # stdlib only; lazy: reading built-in data needs no torch
+
+        source = as_source(import_reference("data.source", name, DataError), name, f"data.source={name!r}")
     if source is None:
-        raise DataError(f"unknown data source {name!r}; known sources: {', '.join(SOURCES)}")
+        raise DataError(
+            f"unknown data source {name!r}; known sources: {', '.join(SOURCES)}, or name your own by reference, "
+            "data.source='package.module:load'"
+        )
     if path is None:
         path = source.default_path
     try:
@@ -46,4 +57,26 @@ def load_dataset(name: str, path: str | None = None, **options: object) -> Datas
     except TypeError as e:
         params = [p for p in inspect.signature(source.load).parameters if p != "path"]
         raise DataError(f"{name}: {e}; its options are: {', '.join(params) or 'none'}") from e
-    return source.load(path, **options)
+    ds = source.load(path, **options)
+    if not isinstance(ds, Dataset):
+        raise DataError(f"data.source={name!r} returned {type(ds).__name__}, not a hafedho.data.dataset.Dataset")
+    return ds
+
+
+def as_source(obj: object, name: str, where: str) -> Source:
+    """A user's data source as a :class:`Source`: one as it is, or a function ``load(path=None, **options)``
+    (its docstring's first line is the description; it reads ``data.path``, ``None`` unless given)."""
+    if isinstance(obj, Source):
+        return obj
+    try:
+        params = list(inspect.signature(obj).parameters.values()) if callable(obj) and not isinstance(obj, type) else []
+    except (TypeError, ValueError):  # a callable without a signature
+        params = []
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+        raise DataError(
+            f"{where}: {what} is not a data source; name a hafedho.data.sources.Source or a function "
+            "def load(path=None, **options) -> Dataset"
+        )
+    doc = (inspect.getdoc(obj) or "").strip().splitlines()
+    return Source(name, doc[0] if doc else name, None, obj, needs_files=False)

@@ -7,6 +7,11 @@ MOON's projection head (Linear-ReLU-Linear) inserted between the encoder and the
 whose output is then ``z``. Inputs are normalised float tensors, ``[B, D]`` or
 ``[B, C, H, W]``. No model contains BatchNorm, so all are safe for vectorised
 (``torch.func.vmap``) client training.
+
+A user's model is named by a reference ``model.name = "package.module:Name"`` (an ``nn.Module`` class or a
+function returning one; imported on demand by ``hafedho.core.refs``) or registered by ``hafedho.register``; it is
+built exactly like ours: called with the ``input_shape`` and ``num_classes`` it declares (by those names) and
+``model.options``, checked against its annotations, after the run's model seed is set.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from torch import nn
 
 from hafedho.core.algorithm import check_value
+from hafedho.core.refs import import_reference, is_reference
 from hafedho.models.cnn import CifarCNN, FemnistCNN, LeNet5
 from hafedho.models.resnet import ResNet18GN
 from hafedho.models.simple import MLP, LogReg
@@ -34,6 +40,7 @@ __all__ = [
     "LogReg",
     "ResNet18GN",
     "build_model",
+    "check_model_factory",
     "count_flops",
     "num_params",
 ]
@@ -52,7 +59,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **opt
     """Build a registered model.
 
     Args:
-        name: A key of ``MODELS``.
+        name: A key of ``MODELS``, or a reference ``"package.module:Name"`` to a class or factory.
         input_shape: Shape of one example, without the batch dimension.
         num_classes: Number of output classes.
         **options: Model-specific options (e.g. ``hidden`` for ``mlp``).
@@ -65,20 +72,48 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **opt
             annotations, as hyperparameters are: ``hidden="64"`` or ``hidden=[64.7]`` is refused, never
             coerced), or an input shape the model cannot take.
     """
-    try:
+    if is_reference(name):
+        factory = check_model_factory(import_reference("model.name", name, ValueError), f"model.name={name!r}")
+    elif name in MODELS:
         factory = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}") from None
+    else:
+        raise ValueError(
+            f"unknown model {name!r}; choose one of: {', '.join(MODELS)}, or name your own by reference, "
+            "model.name='package.module:Net'"
+        )
     params = inspect.signature(factory).parameters
-    allowed = [p for p in params if p not in ("input_shape", "num_classes")]
-    unknown = sorted(set(options) - set(allowed))
+    shape = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    allowed = [p for p, v in params.items() if p not in shape and v.kind != v.VAR_KEYWORD]
+    takes_any = any(v.kind == v.VAR_KEYWORD for v in params.values())
+    unknown = [] if takes_any else sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(
             f"model {name!r} has no option(s) {', '.join(unknown)}; its options are: {', '.join(allowed) or 'none'}"
         )
-    hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except Exception:  # a user's annotation that does not resolve: its options go unchecked, as unannotated ones
+        hints = {}
     checked = {k: _check_option(f"model.options.{k}", v, hints.get(k, Any)) for k, v in options.items()}
-    return factory(tuple(input_shape), num_classes, **checked)
+    module = factory(**{k: v for k, v in shape.items() if k in params}, **checked)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"model.name={name!r} returned {type(module).__name__}, not an nn.Module; return one")
+    return module
+
+
+def check_model_factory(obj: object, where: str) -> Callable[..., nn.Module]:
+    """``obj`` if it can build a model (an ``nn.Module`` class, or a function returning one), else one line."""
+    if isinstance(obj, nn.Module):
+        raise ValueError(
+            f"{where}: an nn.Module instance, whose weights would not follow the run's seed; name its class or a "
+            "function that builds it"
+        )
+    if (isinstance(obj, type) and not issubclass(obj, nn.Module)) or not callable(obj):
+        what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+        raise ValueError(
+            f"{where}: {what} is not an nn.Module factory; name an nn.Module subclass or a function returning one"
+        )
+    return obj
 
 
 def _check_option(key: str, value: Any, annotation: Any) -> Any:
