@@ -195,3 +195,25 @@ def test_the_flower_server_logs_through_the_same_rows(tmp_path: Path, uri: str) 
     _, run, hist = mlflow_run(uri, run_dir)
     assert hist == expected(run_dir) and "sampled" in hist and "dropped" not in hist
     assert run.info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_parallel_sweep_shares_one_new_store(tmp_path: Path) -> None:
+    """Two sweep workers create the store's tables and their runs at once (the store's lock); every run's
+    rounds arrive once, in its own MLflow run, under the sweep's rows' prefixes."""
+    from test_sweep import tiny
+
+    from hafedho.cli import main
+
+    uri = f"sqlite:///{tmp_path}/sweep.db"
+    path = tiny(tmp_path)
+    assert main(["sweep", str(path), "--jobs", "2", "--seeds", "2", "--quiet", f"log.mlflow={uri}"]) == 0
+    runs = sorted(p.parent for p in (tmp_path / "runs-cpu").glob("*/config.toml"))
+    assert len(runs) == 4
+    ids = set()
+    for run_dir in runs:
+        client, run, hist = mlflow_run(uri, run_dir)
+        assert hist == expected(run_dir) and run.info.run_name == run_dir.name
+        ids.add(run.info.run_id)
+    names = {client.get_experiment(client.get_run(i).info.experiment_id).name for i in ids}
+    assert len(ids) == 4 and names == {"hafedho-digits", "fedavg-digits"}

@@ -83,6 +83,7 @@ class Tracking:
         """The rows up to round t are final (its checkpoint is saved): each tracker gets those it lacks."""
         if self._sinks is None:
             self._sinks = self._open()
+            self._save_state()  # the MLflow run's id, before any point is sent to it
             self._pending = read_metrics(self.path)  # the rows so far, resumed ones included (a catch-up)
         final = [r for r in self._pending if r["round"] <= t]
         self._pending = [r for r in self._pending if r["round"] > t]
@@ -140,6 +141,8 @@ class _TensorBoard:
         except ImportError:
             raise ConfigError(f"log.tensorboard needs the tensorboard package: {EXTRA}") from None
         make_folder(folder)
+        if not any(folder.glob("*tfevents*")):  # the events were deleted: send every row again
+            frontier = 0
         self.folder, self.frontier = folder, frontier
         # the purge hides what an earlier writer left after the frontier (a crash between a write and the record)
         self.writer = SummaryWriter(str(folder), purge_step=frontier + 1 if frontier else 0)
@@ -238,7 +241,8 @@ class _MLflow:
 
     def _params(self, cfg: Config, facts: dict[str, str]) -> dict[str, str]:
         keep = ("run_name", "partition_hash", "experiment_hash")
-        return {**flatten(cfg.to_dict()), **{k: facts[k] for k in keep}}
+        params = {**flatten(cfg.to_dict()), **{k: facts[k] for k in keep}}
+        return {k: v[:6000] for k, v in params.items()}  # MLflow's longest param; config.toml is the description
 
     def _create(self, name: str, run_dir: Path, facts: dict[str, str]) -> Any:
         exp = self.client.get_experiment_by_name(name)
