@@ -39,6 +39,17 @@ def runtime(f: Any) -> Any:
 
 
 @dataclass
+class LogConfig:
+    """``[log]``: experiment trackers that mirror metrics.jsonl (``hafedho.tracking``); a runtime section."""
+
+    tensorboard: bool | str = hp(
+        False, "TensorBoard event files: true = RUN_DIR/tensorboard, a folder = FOLDER/RUN_NAME, false = off"
+    )
+    mlflow: str = hp("", "MLflow tracking URI of a local SQLite store, e.g. 'sqlite:///mlruns.db'; '' = off")
+    mlflow_experiment: str | None = hp(None, "MLflow experiment; None = the run name's prefix (name or ALG-SOURCE)")
+
+
+@dataclass
 class DataConfig:
     source: str = hp("digits", "data source (see `hafedho datasets`)")
     path: str | None = hp(None, "file or folder to read; None = the source's default")
@@ -100,6 +111,7 @@ class Config:
         None, "run name prefix; None = ALGORITHM-SOURCE (the run directory is PREFIX-HASH-sSEED)"
     )
     out: str = runtime_hp("runs", "folder that holds run directories")
+    log: LogConfig = field(default_factory=LogConfig, metadata={"help": "trackers ([log])", "runtime": True})
     data: DataConfig = field(default_factory=DataConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -277,6 +289,7 @@ def validate(cfg: Config) -> Config:
     cfg.algorithm = applicable(cfg.algorithm)
     if cfg.name is not None:
         check_run_name(cfg.name)
+    check_log(cfg.log)
     s = cfg.sampling
     check_partition(cfg.data)
     if cfg.data.partition != "natural" and cfg.data.num_clients == 0:
@@ -298,6 +311,17 @@ def check_partition(d: DataConfig) -> None:
     if d.partition_options is not None and not flwr:
         raise ConfigError(
             f"data.partition_options: only for data.partition='{FLWR}<Partitioner>'; remove it or use data.q"
+        )
+
+
+def check_log(log: LogConfig) -> None:
+    """``[log]``: a TensorBoard folder is a non-empty path; MLflow runs offline, so only a SQLite store."""
+    if log.tensorboard == "":
+        raise ConfigError("log.tensorboard='': give true (RUN_DIR/tensorboard), a folder, or false")
+    if log.mlflow and (not log.mlflow.startswith("sqlite:///") or log.mlflow == "sqlite:///"):
+        raise ConfigError(
+            f"log.mlflow={log.mlflow!r}: hafedho logs offline to a local SQLite store only; "
+            "give log.mlflow='sqlite:///PATH.db' (e.g. sqlite:///mlruns.db), or '' for none"
         )
 
 

@@ -33,6 +33,7 @@ from hafedho.results import (
 )
 from hafedho.sim import checkpoint
 from hafedho.sim.store import ClientStore
+from hafedho.tracking import Tracking, trackers_for
 
 
 def check_same_experiment(run_dir: Path, cfg: Config) -> None:
@@ -56,6 +57,7 @@ def check_same_experiment(run_dir: Path, cfg: Config) -> None:
 
 RUN_FILES = frozenset(
     {"config.toml", "env.json", "partition.json", "run.json", "metrics.jsonl", "checkpoint.pt", "done", "diverged"}
+    | {"tracking.json", "tensorboard"}  # hafedho.tracking's ([log])
 )
 
 
@@ -125,6 +127,7 @@ class RunDir:
         self.path = Path(path)
         self.checkpoint_path = self.path / "checkpoint.pt"
         self._lock = RunLock(self.path)
+        self.tracking: Tracking | None = None  # [log]'s trackers (``prepare``); they get rows once checkpointed
 
     def acquire(self) -> None:
         if not self._lock.__enter__():
@@ -133,6 +136,9 @@ class RunDir:
             )
 
     def release(self) -> None:
+        if self.tracking is not None:
+            self.tracking.close()
+            self.tracking = None
         self._lock.__exit__()
 
     def __enter__(self) -> RunDir:
@@ -144,7 +150,10 @@ class RunDir:
 
     def prepare(self, cfg: Config, resume: bool, force: bool) -> bool:
         """``prepare_run_dir``: True when ``resume`` finds the run finished (then nothing is written)."""
-        return prepare_run_dir(self.path, cfg, resume, force)
+        tracking = trackers_for(cfg, self.path)  # a missing extra is refused before anything is written
+        finished = prepare_run_dir(self.path, cfg, resume, force)
+        self.tracking = None if finished else tracking
+        return finished
 
     def start(self, partition: dict[str, Any], facts: dict[str, Any]) -> None:
         """A run (re)starts: clear the end markers, write the environment, the partition and ``run.json``."""
@@ -159,21 +168,26 @@ class RunDir:
 
     def append(self, row: dict[str, Any]) -> None:
         append_metrics(self.path, row)
+        if self.tracking is not None:
+            self.tracking.add(row)
 
     def truncate(self, last_round: int) -> None:
         truncate_metrics(self.path, last_round)
 
     def save_checkpoint(self, t: int, server: Any, store: ClientStore | None, extra: dict[str, Any]) -> None:
         """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it.
-        Without a store (Flower: the client states live on the nodes) the checkpoint holds the server only."""
+        Without a store (Flower: the client states live on the nodes) the checkpoint holds the server only.
+        Then the rows up to round t are final: the trackers get them (``Tracking.publish``)."""
         if store is None or store.path is None:
             checkpoint.save(self.checkpoint_path, t, server, [] if store is None else store.state_dict(), extra)
-            return
-        store.snapshot(self.path / f"store_r{t}")
-        checkpoint.save(self.checkpoint_path, t, server, [], {**extra, "store_dir": f"store_r{t}"})
-        for old in self.path.glob("store_r*"):  # only after the new checkpoint is in place
-            if old.name != f"store_r{t}":
-                shutil.rmtree(old, ignore_errors=True)
+        else:
+            store.snapshot(self.path / f"store_r{t}")
+            checkpoint.save(self.checkpoint_path, t, server, [], {**extra, "store_dir": f"store_r{t}"})
+            for old in self.path.glob("store_r*"):  # only after the new checkpoint is in place
+                if old.name != f"store_r{t}":
+                    shutil.rmtree(old, ignore_errors=True)
+        if self.tracking is not None:
+            self.tracking.publish(t)
 
     def resume(self, server: Any, store: ClientStore) -> tuple[int, Any, float]:
         """``(first round to run, server state, wall seconds so far)`` from the checkpoint, the client states
