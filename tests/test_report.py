@@ -15,6 +15,7 @@ from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
 from hafedho.report.build import write_report
 from hafedho.report.layout import Layout, pct
+from hafedho.report.plots import twin_points
 from hafedho.report.runs import load_sections
 from hafedho.report.stats import Stat, final_value, rounds_to
 from hafedho.report.summary import summary_rows
@@ -489,3 +490,10 @@ def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
         "FedAvgM, β = λμ = 0.1": "55.00",
         "FedAvgM, β = λμ = 0.5": "72.00",
     }
+    lay = Layout.of(section)  # HaFedHo's accuracy-vs-mu figure draws the twin at mu = beta / lambda (lambda = 10)
+    points = twin_points(lay, "hafedho", "mu", lay.columns[0])
+    assert list(points) == ["FedAvgM, β = λμ"]
+    assert points["FedAvgM, β = λμ"] == [pytest.approx((0.01, 55.0, 0.0)), pytest.approx((0.05, 72.0, 0.0))]
+    assert twin_points(lay, "hafedho", "accumulate", lay.columns[0]) == {}
+    figures = {f.name for f in write_report(root, root / "rep").figures}
+    assert {"hafedho_vs_mu.png", "hafedho-twin_vs_beta.png"} <= figures
