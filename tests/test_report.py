@@ -15,6 +15,7 @@ from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
 from hafedho.report.build import write_report
 from hafedho.report.layout import Layout, pct
+from hafedho.report.plots import twin_points
 from hafedho.report.runs import load_sections
 from hafedho.report.stats import Stat, final_value, rounds_to
 from hafedho.report.summary import summary_rows
@@ -460,3 +461,85 @@ def test_verdict_table_from_hand_made_runs(tmp_path: Path) -> None:
         "80.00 ± 0.50",
         "holds, but the twin matches it (the gain is server momentum)",
     ]
+
+
+def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
+    """A table1-like sweep with HaFedHo's momentum twin (``hafedho sweep`` lists it as a row of its own, label
+    hafedho-twin, with the index's ``twins``): the row reads "FedAvgM, β = λμ", sits beside HaFedHo, competes for
+    bold, is no "best baseline" and has its own lead row; the sweep's notes (cells with no twin) follow the table.
+    A fig3-like mu axis splits the twin rows by beta: "FedAvgM, β = λμ = 0.1"."""
+    runs = []
+    curves = {  # final = mean of the last 2 evaluations, seeds 0 and 1: + 0.02 * seed
+        ("hafedho", "digits"): [0.5, 0.6, 0.7],
+        ("hafedho-twin", "digits"): [0.5, 0.7, 0.8],
+        ("fedavg", "digits"): [0.4, 0.5, 0.6],
+        ("hafedho", "synth"): [0.3, 0.5, 0.5],
+        ("hafedho-twin", "synth"): [0.3, 0.4, 0.4],
+        ("fedavg", "synth"): [0.2, 0.4, 0.4],
+    }
+    for (label, ds), accs in curves.items():
+        for s in range(2):
+            name = f"{label}-{ds}-s{s}"
+            alg, hyper = {"hafedho": ("hafedho", {"mu": 0.05}), "fedavg": ("fedavg", {})}.get(
+                label, ("fedavgm", {"beta": 0.5, "server_lr": 1.0, "weighting": "uniform"})
+            )
+            make_run(tmp_path, name, alg, s, [a + 0.02 * s for a in accs], data={"source": ds}, hyper=hyper)
+            point = {"dataset": ds, "algorithm.name": "hafedho" if label != "fedavg" else "fedavg"}
+            runs.append({"dir": name, "label": label, "seed": s, "point": point})
+    note = 'no hafedho-twin for hafedho [dataset=synth, accumulate=f]: gradient rectification (accumulate = "f")'
+    entries = [IndexEntry(**r) for r in runs]
+    axes = ["dataset", "algorithm.name"]
+    index = SweepIndex("t1", "cpu", "hand-made", axes, ["algorithm.name"], {"last": 2}, entries)
+    index.twins, index.notes = {"hafedho-twin": "hafedho"}, [note]
+    index.write(tmp_path)
+    files = write_report(tmp_path, tmp_path / "rep")
+    (section,) = load_sections(tmp_path)
+    tables = {t.slug: t for t in section_tables(section)}
+    final = [[c.text for c in r] for r in tables["final"].rows]
+    assert final == [
+        ["hafedho", "66.00 ± 1.41", "51.00 ± 1.41"],
+        ["FedAvgM, β = λμ", "76.00 ± 1.41", "41.00 ± 1.41"],
+        ["fedavg", "56.00 ± 1.41", "41.00 ± 1.41"],
+        ["HaFedHo lead over best baseline (pp)", "+10.00", "+10.00"],  # the twin is not a baseline ...
+        ["HaFedHo lead over its twin (pp)", "-10.00", "+10.00"],  # ... it has its own lead row
+    ]
+    assert [c.bold for c in tables["final"].rows[1]] == [False, True, False]  # but it competes for bold
+    assert tables["final"].note.endswith(f"docs/algorithms.md, HaFedHo's momentum twin)\n{note}")
+    md = files.markdown.read_text()
+    assert f"> {note}" in md and "| FedAvgM, β = λμ | **76.00 ± 1.41** | 41.00 ± 1.41 |" in md
+    assert (
+        "FedAvgM, $\\beta$ = $\\lambda\\mu$ & \\textbf{76.00 $\\pm$ 1.41}"
+        in (tmp_path / "rep" / "final.tex").read_text()
+    )
+    rows = {r["row"] for r in csv.DictReader((tmp_path / "rep" / "summary.csv").open())}
+    assert rows == {"hafedho", "FedAvgM, β = λμ", "fedavg"}
+    # fig3-like: one column, HaFedHo's mu axis, so beta varies within it and splits the twin's rows
+    root = tmp_path / "f3"
+    runs = []
+    for mu, beta, v, w in ((0.01, 0.1, 0.6, 0.55), (0.05, 0.5, 0.7, 0.72)):
+        point = {"algorithm.name": "hafedho", "algorithm.hafedho.mu": mu}
+        make_run(root, f"h{mu}", "hafedho", 0, [v], hyper={"mu": mu})
+        make_run(root, f"t{mu}", "fedavgm", 0, [w], hyper={"beta": beta, "weighting": "uniform"})
+        runs += [
+            {"dir": f"h{mu}", "label": "hafedho", "seed": 0, "point": point},
+            {"dir": f"t{mu}", "label": "hafedho-twin", "seed": 0, "point": point},
+        ]
+    axes = ["algorithm.name", "algorithm.hafedho.mu"]
+    index = SweepIndex("f3", "cpu", "", axes, axes, {"last": 1})
+    index.runs, index.twins = [IndexEntry(**r) for r in runs], {"hafedho-twin": "hafedho"}
+    index.write(root)
+    (section,) = load_sections(root)
+    final = {r[0].text: r[2].text for r in section_tables(section)[0].rows}
+    assert final == {
+        "hafedho mu=0.01": "60.00",
+        "hafedho mu=0.05": "70.00",
+        "FedAvgM, β = λμ = 0.1": "55.00",
+        "FedAvgM, β = λμ = 0.5": "72.00",
+    }
+    lay = Layout.of(section)  # HaFedHo's accuracy-vs-mu figure draws the twin at mu = beta / lambda (lambda = 10)
+    points = twin_points(lay, "hafedho", "mu", lay.columns[0])
+    assert list(points) == ["FedAvgM, β = λμ"]
+    assert points["FedAvgM, β = λμ"] == [pytest.approx((0.01, 55.0, 0.0)), pytest.approx((0.05, 72.0, 0.0))]
+    assert twin_points(lay, "hafedho", "accumulate", lay.columns[0]) == {}
+    figures = {f.name for f in write_report(root, root / "rep").figures}
+    assert {"hafedho_vs_mu.png", "hafedho-twin_vs_beta.png"} <= figures

@@ -102,7 +102,7 @@ def test_scales_and_bundles() -> None:
     assert moon == {"cifar10": 5.0, "femnist": 1.0, "cifar100": 1.0}  # the paper's values at full scale
     tuned = {s.cfg.data.source: s.cfg.algorithm for s in expand(load_preset("table1")) if s.label == "hafedho"}
     assert tuned["femnist"]["hafedho"]["mu"] == 0.05  # the CPU scale's tuned value ...
-    fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3"))}
+    fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3")) if s.label == "hafedho"}
     assert fig3 == {0.0001, 0.001, 0.01, 0.05, 0.1}  # ... which a grid axis still overrides
     t3 = expand(load_preset("table3"), seeds=1)
     fixed = [s.cfg for s in t3 if s.point["population"] == "fixed" and s.point["participation"] == 0.002]
@@ -129,7 +129,8 @@ def test_centralized_variant_and_shared_runs() -> None:
     # identical configs get identical directories: table2 is table1's q = 0.3 column
     assert {s.name for s in expand(load_preset("table2"))} <= {s.name for s in specs}
     shared = {s.name for s in expand(load_preset("fig3"))} & {s.name for s in specs}
-    assert shared and all(n.startswith("hafedho-cifar10-") for n in shared)  # mu = 0.05 (tuned), phi, q = 0.3
+    assert shared and all(n.startswith(("hafedho-cifar10-", "fedavgm-cifar10-")) for n in shared)  # mu = 0.05, phi
+    assert {n.split("-")[0] for n in shared} == {"hafedho", "fedavgm"}  # ... and its momentum twin
 
 
 def test_overrides_replace_axes_or_apply_to_all() -> None:
@@ -139,9 +140,73 @@ def test_overrides_replace_axes_or_apply_to_all() -> None:
         ("hafedho", "cifar10"),
         ("fedavg", "cifar10"),
         ("centralized", "cifar10"),
+        ("hafedho-twin", "cifar10"),
     }
-    assert len(specs) == 2 * 3 + 1 and all(s.cfg.rounds == 2 for s in specs)
+    assert len(specs) == 3 * 3 + 1 and all(s.cfg.rounds == 2 for s in specs)
     assert all(s.name.endswith("-s0") for s in specs)
+
+
+TWIN = '\n[[variants]]\nlabel = "hafedho-twin"\ntwin_of = "hafedho"\n'
+
+
+def test_momentum_twin_rows(tmp_path: Path) -> None:
+    """A twin beside every HaFedHo run where it is defined: FedAvgM, beta = lambda*mu of that run, uniform weights,
+    server_lr 1, the same lr, everything else identical, named as any fedavgm run (an identical grid run is shared,
+    listed under both labels); elsewhere a note says why there is none."""
+    grid = (
+        '"algorithm.name" = ["hafedho", "fedavgm"]\n"algorithm.hafedho.mu" = [0.1, 0.2, 0.4]\n'
+        '"algorithm.hafedho.accumulate" = ["phi", "f"]\n"algorithm.hafedho.mu_schedule" = ["constant", "inverse_round"]'
+    )
+    extra = TWIN + '[base.algorithm.fedavgm]\nbeta = 0.3\nweighting = "uniform"\n'  # = the twin of mu = 0.1
+    preset = load_preset(str(tiny(tmp_path, grid=grid, extra=extra)))
+    specs = expand(preset, seeds=1)
+    twins = [s for s in specs if s.label == "hafedho-twin"]
+    haf = {s.name: s for s in specs if s.label == "hafedho"}
+    # lambda = 3: mu 0.1 and 0.2 have twins (beta 0.3, 0.6); mu = 0.4 (lambda*mu = 1.2), "f" and inverse_round none
+    assert sorted(t.cfg.algorithm["fedavgm"]["beta"] for t in twins) == [0.3, 0.6]
+    (shared,) = [s for s in specs if s.aliases]  # the grid's fedavgm run is the twin of mu = 0.1: one directory
+    assert shared.label == "hafedho-twin" and shared.aliases == ["fedavgm"]
+    assert len(specs) == 12 + 2 and len({s.name for s in specs}) == len(specs)
+    for t in twins:
+        assert t.name.startswith("fedavgm-digits-")
+        h = next(s for s in haf.values() if s.point == t.point)
+        assert specs.index(t) == specs.index(h) + 1  # right beside its HaFedHo run
+        a, b = h.cfg.to_dict(), t.cfg.to_dict()
+        beta = 3 * a.pop("algorithm")["hafedho"]["mu"]
+        assert b.pop("algorithm") == {
+            "name": "fedavgm",
+            "lr": 0.1,
+            "fedavgm": {"beta": pytest.approx(beta), "server_lr": 1.0, "weighting": "uniform"},
+        }
+        assert {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+    notes = [s.note for s in haf.values() if s.note]
+    assert len(notes) == 12 - 2
+    assert sum("lambda*mu = 3*0.4 = 1.2 >= 1" in n for n in notes) == 1
+    assert sum('gradient rectification (accumulate = "f")' in n for n in notes) == 6
+    assert sum('mu_schedule = "inverse_round"' in n for n in notes) == 3  # phi only: "f" is named first
+    assert "no hafedho-twin for hafedho [mu=0.4, accumulate=phi, mu_schedule=constant]" in "\n".join(notes)
+    index = read_index(write_index(preset, specs, tmp_path / "runs"))
+    assert index.twins == {"hafedho-twin": "hafedho"} and index.notes == notes
+    assert [e.label for e in index.runs if e.dir == shared.name] == ["hafedho-twin", "fedavgm"]
+    # data_size aggregation maps to data_size weighting; eta sets server_lr = eta / lr
+    other = expand(
+        preset,
+        seeds=1,
+        overrides=[
+            'algorithm.name="hafedho"',
+            "algorithm.hafedho.mu=0.1",
+            'algorithm.hafedho.accumulate="phi"',
+            'algorithm.hafedho.mu_schedule="constant"',
+            'algorithm.hafedho.aggregation="data_size"',
+            "algorithm.hafedho.eta=0.2",
+        ],
+    )
+    assert other[1].cfg.algorithm["fedavgm"] == {"beta": 0.3, "server_lr": 2.0, "weighting": "data_size"}
+    for bad in ('\n[[variants]]\nlabel = "t"\ntwin_of = "hafedho"\ncross = []\n', TWIN + TWIN):
+        with pytest.raises(
+            ConfigError, match=r"variants\[[01]\]: (a twin variant takes only|twin_of = 'hafedho' is given)"
+        ):
+            expand(load_preset(str(tiny(tmp_path, extra=bad))))
 
 
 def test_a_sweep_run_has_the_name_hafedho_run_gives_it(tmp_path: Path) -> None:
@@ -263,10 +328,11 @@ def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
 
 
 def _smoke_specs(name: str, overrides: list[str]) -> list:
-    """A preset's first grid point, and its first variant point, seed 0."""
+    """A preset's first grid point, its first variant point and its first momentum twin, seed 0."""
     specs = expand(load_preset(name), seeds=1, overrides=overrides)
     first = [specs[0]]
     first += [s for s in specs if s.label != specs[0].label and s.reference][:1]
+    first += [s for s in specs if s.label == "hafedho-twin"][:1]
     return first
 
 

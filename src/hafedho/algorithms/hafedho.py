@@ -27,8 +27,10 @@ Facts (each is a test):
       changes the logged objective value.
     * With eta = eta_l and accumulate="phi", w_{t+1} is the mean of the clients' final models (up to float
       rounding, as below).
-    * Since g_i contains lambda mu h, g^t ~ G^t + lambda mu g^{t-1}: the literal algorithm is heavy-ball
-      momentum with factor lambda*mu and is stable only while lambda*mu < 1 (logged; warned at >= 1).
+    * Since g_i contains lambda mu h, g^t ~ G^t + lambda mu g^{t-1} (G^t: the mean over the cohort of
+      sum_k grad f_i along the local steps; exact, to float64 round-off, with self_correction off): the literal
+      algorithm is heavy-ball momentum with factor lambda*mu and is stable only while lambda*mu < 1 (logged;
+      warned at >= 1).
     * mu = 0 reduces to FedAvg with uniform weights (``fedavg`` with weighting="uniform") up to float rounding,
       not bit for bit: the local steps are identical (the rectification adds 0 * h, exactly 0), but FedAvg
       averages y_i - w_t while HaFedHo steps w_t - eta g^t along the averaged gradient sums, and the two round
@@ -36,6 +38,12 @@ Facts (each is a test):
       u = eps/2 the unit roundoff of the dtype (2^-24 in float32) and S the largest magnitude among w_t, the
       clients' local iterates and eta times their gradient sums (the rounding of lambda local steps, the delta,
       the average and the server step on each side).
+
+Momentum twin: with accumulate="phi" this is FedAvgM's server recursion (``fedavgm``, beta = lambda*mu, uniform
+weights, server_lr = eta / eta_l, the same lr), except that the local steps also move along -eta_l mu h (a
+look-ahead, which on a quadratic turns the momentum into mu sum_{k<lambda} (I - eta_l H)^k) and the
+self-correction term. Sweeps put that twin beside every HaFedHo run (``twin_of`` in a preset); the derivation and
+measured gap are in docs/algorithms.md, "HaFedHo's momentum twin" (tests/test_twin.py).
 
 Switches for the paper's inconsistencies and ablations (defaults follow Algorithm 1):
     accumulate       "phi": g_i sums grad phi_i (objective rectification, Algorithm 1);

@@ -9,6 +9,12 @@ from typing import Any
 from hafedho.report.runs import Group, Section, check_seeds
 from hafedho.report.stats import Stat
 
+TWIN_NAME = "FedAvgM, β = λμ"  # a momentum-twin row (ASCII: "FedAvgM, beta = lambda*mu"); docs/algorithms.md
+
+
+def twin_name(twin_of: str) -> str:
+    return TWIN_NAME if twin_of == "hafedho" else f"{TWIN_NAME} ({twin_of})"
+
 
 def fmt_value(v: Any) -> str:
     if isinstance(v, float):
@@ -112,10 +118,19 @@ class Layout:
     def is_reference(self, row: tuple[str, tuple]) -> bool:
         return any(g.reference for g in self.section.groups if self.row_key(g, self.row_hyper_keys) == row)
 
+    def is_twin(self, row: tuple[str, tuple]) -> bool:
+        return row[0] in self.section.twins
+
     def row_name(self, row: tuple[str, tuple]) -> str:
+        """The label and its varying hyperparameters; a momentum twin reads ``FedAvgM, β = λμ = 0.5`` (its
+        [report.names] entry, if any, replaces the name)."""
         names = self.section.names()
-        extra = " ".join(display(k, v, names, False) for k, v in row[1])
-        return f"{row[0]} {extra}".strip()
+        label, twin = row[0], self.section.twins.get(row[0])
+        if twin is None:
+            extra = " ".join(display(k, v, names, False) for k, v in row[1])
+            return f"{label} {extra}".strip()
+        extra = " ".join(f"= {fmt_value(v)}" if k == "beta" else display(k, v, names, False) for k, v in row[1])
+        return f"{names.get(label, twin_name(twin))} {extra}".strip()
 
     def col_name(self, col: dict[str, Any]) -> str:
         names = self.section.names()

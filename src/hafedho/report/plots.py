@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from hafedho.report.layout import Layout, display
+from hafedho.config import ClientsConfig
+from hafedho.report.layout import Layout, display, twin_name
 from hafedho.report.runs import Run
 from hafedho.report.stats import accuracy_stat
 
@@ -203,11 +204,34 @@ def versus_hyper(lay: Layout, label: str, key: str, out: str | Path) -> Path | N
                 ax.errorbar(x, y, yerr=e, fmt="o-", color=colors[rest], label=name, capsize=3, ms=4, lw=1.2)
             if bad:
                 diverged.append((bad, colors[rest], f"{name}: diverged"))
+        for twin, pts in twin_points(lay, label, key, col).items():  # fig3: the twin at mu = beta / lambda
+            x, y, e = zip(*pts, strict=True)
+            ax.errorbar(x, y, yerr=e, fmt="s--", color="0.35", label=twin, capsize=3, ms=4, lw=1.0)
         _mark_diverged(ax, diverged)
         _xscale(ax, sorted(set(xs_all)))
         ax.set_title(lay.col_name(col) if lay.col_keys else s.title, fontsize=9)
         ax.set_xlabel(f"{label} {key.rsplit('.', 1)[-1]}")
     return _finish(fig, axes, Path(out), f"final {s.metric_label} (%)")
+
+
+def twin_points(lay: Layout, label: str, key: str, col: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]:
+    """For a plot of ``label``'s mu: each momentum twin of ``label`` as points (mu = beta / lambda, mean, std) of
+    its final metric (%) in this column, by the twin's row name; {} for any other hyperparameter."""
+    s = lay.section
+    if key.rsplit(".", 1)[-1] != "mu":
+        return {}
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    for twin in (t for t, of in s.twins.items() if of == label):
+        pts = []
+        for r in (r for r in lay.rows if r[0] == twin):
+            g = lay.group_at(r, col)
+            st = accuracy_stat(g, s.metric, s.last) if g is not None else None
+            if st is not None and st.n and _is_number(g.hyper.get("beta")):
+                lam = g.runs[0].config.get("clients", {}).get("local_steps", ClientsConfig().local_steps)
+                pts.append((float(g.hyper["beta"]) / lam, st.mean * 100, st.std * 100))
+        if pts:
+            out[twin_name(label)] = sorted(pts)
+    return out
 
 
 def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Path]:

@@ -130,6 +130,8 @@ class Section:
     named_axes: set[str]
     groups: list[Group]
     failed: dict[str, str] = field(default_factory=dict)
+    twins: dict[str, str] = field(default_factory=dict)  # momentum-twin row label -> the row label it sits beside
+    notes: list[str] = field(default_factory=list)  # the sweep's lines for the tables (e.g. cells with no twin)
 
     def names(self) -> dict[str, str]:
         return dict(self.report.get("names", {}))
@@ -248,6 +250,8 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
         named_axes={a for a in axes if "." not in a},
         groups=_group(runs),
         failed=index.failed,
+        twins=index.twins,
+        notes=index.notes,
     )
     return section, used
 

@@ -69,4 +69,7 @@ def latex_escape(text: str) -> str:
     text = text.replace("\\", "\\textbackslash{}")
     for ch in "&%$#_{}":
         text = text.replace(ch, f"\\{ch}")
-    return text.replace("±", "$\\pm$").replace("≥", "$\\geq$").replace("—", "--").replace("~", "\\textasciitilde{}")
+    text = text.replace("±", "$\\pm$").replace("≥", "$\\geq$").replace("—", "--").replace("~", "\\textasciitilde{}")
+    for greek, tex in (("λμ", "$\\lambda\\mu$"), ("β", "$\\beta$"), ("λ", "$\\lambda$"), ("μ", "$\\mu$")):
+        text = text.replace(greek, tex)  # the momentum twin's row name, FedAvgM, β = λμ
+    return text

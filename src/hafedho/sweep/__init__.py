@@ -16,6 +16,9 @@ A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
     cross = ["dataset"]          #   grid axes it is crossed with (the others do not apply to it)
     reference = true             #   shown, but never bold and never a competitor
     set = {...}                  #   its overrides
+    [[variants]]                 # HaFedHo's momentum twin beside every run of a row (docs/algorithms.md):
+    label = "hafedho-twin"       #   the twin's row label (reports name it "FedAvgM, β = λμ")
+    twin_of = "hafedho"          #   the row it follows; no other keys
     [report]                     # how `hafedho report` shows it (metric, last, targets, names, title)
     [scale.cpu] / [scale.full]   # a partial preset merged over this one for --scale (cpu is the default);
                                  # its [grid] replaces the axes it names
@@ -23,6 +26,16 @@ A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
 One run's config: base < named-axis bundles < config-key axes < variant ``set`` < command-line overrides;
 then ``seed``, ``name`` and ``out`` are set, and only the selected algorithm's ``[algorithm.NAME]`` table is kept
 (``hafedho.algorithms.applicable``; the others never apply to the run).
+
+A twin variant adds, right after every run of the row ``twin_of`` names (its label, so a HaFedHo variant with
+another label gets none), one ``fedavgm`` run with that run's config and seed and ``[algorithm]`` replaced by
+``beta = lambda*mu`` (lambda = its ``clients.local_steps``, mu = its resolved ``algorithm.hafedho.mu``, so dataset
+bundles and a mu axis are followed), ``weighting`` = its ``aggregation`` ("uniform" by default), ``server_lr`` =
+eta / lr (1 by default) and the same ``lr`` (``expand.momentum_twin``). It has the HaFedHo run's grid point, is
+named as any fedavgm run (``fedavgm-SOURCE-HASH-sSEED``), so an identical fedavgm run elsewhere is the same
+directory (within a preset it is listed under both row labels), and exists only for accumulate = "phi",
+mu_schedule = "constant", local_epochs = 0, lambda*mu < 1 and no other HaFedHo setting changed: elsewhere the
+sweep index's ``notes`` say why there is none, and the report shows them under the final table.
 
 Run directories are ``OUT/LABEL-SOURCE-HASH-sSEED``, the name ``hafedho run`` gives (``Config.run_name`` with
 ``name = LABEL-SOURCE``; LABEL is the algorithm, or a variant's label): HASH is the experiment's identity

@@ -1,8 +1,12 @@
-"""Expansion: a preset's grid points and variants x seeds -> validated run specs, named as `hafedho run` would."""
+"""Expansion: a preset's grid points and variants x seeds -> validated run specs, named as `hafedho run` would.
+
+A variant with ``twin_of`` adds HaFedHo's momentum twin beside every run of that row (``momentum_twin``; the
+derivation is docs/algorithms.md, "HaFedHo's momentum twin")."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,6 +27,8 @@ class RunSpec:
     point: dict[str, Any]
     cfg: Config
     reference: bool = False
+    aliases: list[str] = dataclasses.field(default_factory=list)  # other row labels this same run stands for
+    note: str = ""  # a HaFedHo run without a twin: why (shown under the report's tables)
 
     @property
     def run_dir(self) -> Path:
@@ -98,11 +104,15 @@ def expand(
     points: list[tuple[str | None, dict[str, Any], dict[str, Any], bool]] = []
     for values in itertools.product(*grid.values()):
         points.append((None, dict(zip(grid, values, strict=True)), {}, False))
+    twins: dict[str, str] = {}  # twin_of -> the twin's label
     for i, var in enumerate(preset.table.get("variants", [])):
         where = f"{preset.path}: variants[{i}]"
+        if "twin_of" in var:
+            _twin_variant(var, where, twins)
+            continue
         unknown = sorted(set(var) - {"label", "cross", "reference", "set"})
         if unknown or not isinstance(var.get("label"), str):
-            raise ConfigError(f"{where}: needs label = '...'; allowed keys: label, cross, reference, set")
+            raise ConfigError(f"{where}: needs label = '...'; allowed keys: label, cross, reference, set (or twin_of)")
         cross = var.get("cross", [])
         missing = [a for a in cross if a not in grid]
         if missing:
@@ -116,18 +126,94 @@ def expand(
         base = _point_table(preset, point, sets, extra)
         for seed in range(n_seeds):
             table = {**base, "seed": seed}
-            try:
-                cfg = config_from_table(table)
-            except ConfigError as e:
-                raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
-            row = label or str(cfg.algorithm["name"])
-            cfg.name, cfg.out = f"{_slug(row)}-{_slug(cfg.data.source)}", out  # a prefix: see Config.run_name
-            try:
-                name = cfg.run_name
-            except ConfigError as e:
-                raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
-            specs.setdefault(name, RunSpec(name, row, seed, point, cfg, reference))
+            spec = _add(specs, _spec(preset, label, point, table, out, reference))
+            if spec.label in twins:  # the twin right after its HaFedHo run: beside it in every listing
+                twin_alg, why = momentum_twin(spec.cfg)
+                if twin_alg is None:
+                    inner = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items() if k != "algorithm.name")
+                    spec.note = f"no {twins[spec.label]} for {spec.label} [{inner}]: {why}"
+                    continue
+                twin = _spec(preset, twins[spec.label], point, {**table, "algorithm": twin_alg}, out, False, "fedavgm")
+                _add(specs, twin)
     return list(specs.values())
+
+
+def _spec(
+    preset: Preset,
+    label: str | None,
+    point: dict[str, Any],
+    table: dict[str, Any],
+    out: str,
+    reference: bool,
+    prefix: str | None = None,
+) -> RunSpec:
+    """One run: its validated config, named ``PREFIX-SOURCE-HASH-sSEED``; PREFIX is the row label unless given
+    (a twin is named as any fedavgm run, so an identical fedavgm run elsewhere is the same directory)."""
+    try:
+        cfg = config_from_table(table)
+    except ConfigError as e:
+        raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
+    row = label or str(cfg.algorithm["name"])
+    prefix = prefix or row
+    cfg.name, cfg.out = f"{_slug(prefix)}-{_slug(cfg.data.source)}", out  # a prefix: see Config.run_name
+    try:
+        name = cfg.run_name
+    except ConfigError as e:
+        raise ConfigError(f"{preset.name} {_point_text(label, point)}: {e}") from None
+    return RunSpec(name, row, int(table["seed"]), point, cfg, reference)
+
+
+def _add(specs: dict[str, RunSpec], spec: RunSpec) -> RunSpec:
+    """Keep one spec per run directory (returned); the same run under another row label is an alias of the first."""
+    first = specs.setdefault(spec.name, spec)
+    if first is not spec and spec.label != first.label and spec.label not in first.aliases:
+        first.aliases.append(spec.label)
+    return first
+
+
+def _twin_variant(var: dict[str, Any], where: str, twins: dict[str, str]) -> None:
+    unknown = sorted(set(var) - {"label", "twin_of"})
+    if unknown or not isinstance(var.get("label"), str) or not isinstance(var["twin_of"], str):
+        raise ConfigError(f"{where}: a twin variant takes only label = '...' and twin_of = '<row label>'")
+    if var["twin_of"] in twins:
+        raise ConfigError(f"{where}: twin_of = {var['twin_of']!r} is given twice; keep one twin variant per row")
+    twins[var["twin_of"]] = var["label"]
+
+
+# HaFedHo's settings the twin covers; any other one away from its default (e.g. an option added later) has no twin.
+_TWIN_COVERS = {"lr", "mu", "eta", "accumulate", "aggregation", "self_correction", "mu_schedule"}
+
+
+def momentum_twin(cfg: Config) -> tuple[dict[str, Any] | None, str]:
+    """The ``[algorithm]`` table of a HaFedHo run's momentum twin, or None and why it has none.
+
+    With accumulate = "phi" the uploads obey g^t = G^t + lambda*mu*g^{t-1} (exactly without self-correction), the
+    heavy-ball recursion of FedAvgM with beta = lambda*mu (lambda = clients.local_steps, mu = the resolved
+    algorithm.hafedho.mu), server_lr = eta / eta_l (1 when eta is unset, its default), the same local lr, and
+    FedAvgM's weighting = HaFedHo's aggregation ("uniform" -> "uniform", "data_size" -> "data_size": HaFedHo's
+    data-size aggregate is the |D_i|-weighted mean FedAvgM's "data_size" forms). beta is lambda*mu rounded to 12
+    significant digits (10 * 0.05 reads 0.5). Defined only for accumulate = "phi", mu_schedule = "constant",
+    fixed local_steps (local_epochs = 0) and lambda*mu < 1; see docs/algorithms.md.
+    """
+    alg = cfg.selected_algorithm()
+    if alg.name != "hafedho":
+        return None, f"a {alg.name} run has no momentum twin (only hafedho runs do)"
+    if alg.accumulate != "phi":
+        return None, f'gradient rectification (accumulate = "{alg.accumulate}")'
+    if alg.mu_schedule != "constant":
+        return None, f'mu_schedule = "{alg.mu_schedule}": the factor lambda*mu_t changes every round'
+    if cfg.clients.local_epochs > 0:
+        return None, f"clients.local_epochs = {cfg.clients.local_epochs}: lambda differs from client to client"
+    for f in dataclasses.fields(alg):
+        if f.name not in _TWIN_COVERS and getattr(alg, f.name) != f.default:
+            return None, f"{f.name} = {getattr(alg, f.name)!r} is not plain HaFedHo"
+    lam = cfg.clients.local_steps
+    beta = float(f"{lam * alg.mu:.12g}")
+    if beta >= 1:
+        return None, f"lambda*mu = {lam}*{alg.mu:g} = {beta:g} >= 1: no heavy-ball twin (FedAvgM needs beta < 1)"
+    eta = alg.lr if alg.eta is None else alg.eta
+    settings = {"beta": beta, "server_lr": eta / alg.lr, "weighting": alg.aggregation}
+    return {"name": "fedavgm", "lr": alg.lr, "fedavgm": settings}, ""
 
 
 def _point_text(label: str | None, point: dict[str, Any]) -> str:

@@ -3,7 +3,8 @@
 This module is the one owner of the format: ``hafedho sweep`` writes it (``write_index``), the report reads it
 (``read_index``, ``find_indexes``). An index names each run's directory (relative to the folder that holds
 ``sweeps/``), its row label, grid point, seed and whether it is a reference, plus the preset's axes, the axes that
-are rows, its ``[report]`` settings and the runs that failed in the latest sweep.
+are rows, its ``[report]`` settings, the runs that failed in the latest sweep, its momentum-twin rows (twin label ->
+the label it sits beside) and notes for the report (e.g. why a HaFedHo cell has no twin).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class SweepIndex:
     report: dict[str, Any] = field(default_factory=dict)
     runs: list[IndexEntry] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # run directory name -> its one-line failure
+    twins: dict[str, str] = field(default_factory=dict)  # momentum-twin row label -> the row label it sits beside
+    notes: list[str] = field(default_factory=list)  # lines shown under the section's tables
 
     def write(self, out: str | Path) -> Path:
         """Write ``OUT/sweeps/PRESET.json`` (atomically) and return its path."""
@@ -88,11 +91,14 @@ def read_index(path: Path) -> SweepIndex:
             for e in data.get("runs", [])
         ],
         failed=dict(data.get("failed", {})),
+        twins=dict(data.get("twins", {})),
+        notes=list(data.get("notes", [])),
     )
 
 
 def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: dict[str, str] | None = None) -> Path:
-    """``OUT/sweeps/PRESET.json``: the preset's runs (label, grid point, seed) and report settings."""
+    """``OUT/sweeps/PRESET.json``: the preset's runs (label, grid point, seed; a run that stands for several rows,
+    once per row label), report settings, twin rows and notes."""
     index = SweepIndex(
         preset=preset.name,
         scale=preset.scale,
@@ -100,7 +106,9 @@ def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: d
         axes=list(preset.grid),
         row_axes=row_axes(preset),
         report=preset.report,
-        runs=[IndexEntry(s.name, s.label, s.seed, s.point, s.reference) for s in specs],
+        runs=[IndexEntry(s.name, lab, s.seed, s.point, s.reference) for s in specs for lab in (s.label, *s.aliases)],
         failed=failed or {},
+        twins=preset.twins,
+        notes=list(dict.fromkeys(s.note for s in specs if s.note)),  # one line per cell, not per seed
     )
     return index.write(out)

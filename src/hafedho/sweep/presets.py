@@ -41,6 +41,11 @@ class Preset:
         return self.table.get("grid", {})
 
     @property
+    def twins(self) -> dict[str, str]:
+        """Its momentum-twin rows (``[[variants]]`` with ``twin_of``): twin label -> the label it sits beside."""
+        return {str(v["label"]): str(v["twin_of"]) for v in self.table.get("variants", []) if "twin_of" in v}
+
+    @property
     def report(self) -> dict[str, Any]:
         return self.table.get("report", {})
 
@@ -110,7 +115,7 @@ def _normalize(table: dict[str, Any]) -> dict[str, Any]:
     table["bundles"] = {
         axis: {value: nest(t) for value, t in values.items()} for axis, values in table.get("bundles", {}).items()
     }
-    table["variants"] = [{**v, "set": nest(v.get("set", {}))} for v in table.get("variants", [])]
+    table["variants"] = [{**v, "set": nest(v["set"])} if "set" in v else dict(v) for v in table.get("variants", [])]
     if not table["variants"]:
         del table["variants"]  # an absent list must not replace an inherited one
     if not table["bundles"]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hafedho.report.layout import Layout, pct
+from hafedho.report.layout import TWIN_NAME, Layout, pct
 from hafedho.report.stats import Stat, accuracy_stat, horizon_note, no_data_note
 from hafedho.report.table import Cell, Table
 
@@ -34,6 +34,7 @@ def accuracy_tables(lay: Layout) -> list[Table]:
     for extra in (no_data_note(s), horizon_note(s)):
         what += f"; {extra}" if extra else ""
     final_def = f"final = mean of the last {s.last} evaluations"
+    twin_note = _twin_note(lay)
     if len(lay.columns) == 1:
         col = lay.columns[0]
         stats = {
@@ -54,7 +55,7 @@ def accuracy_tables(lay: Layout) -> list[Table]:
         ]
         header = ["algorithm", "seeds", f"final {s.metric_label} (%, mean of last {s.last} evals)", "best (%)"]
         title = f"{s.title}: {lay.col_name(col)}" if lay.col_keys else s.title
-        return [Table("final", title, header, rows + _lead_rows(lay, [col], "final"), what)]
+        return [Table("final", title, header, rows + _lead_rows(lay, [col], "final"), what + twin_note)]
     tables = []
     for kind, label in (("final", "Final"), ("best", "Best")):
         header = ["algorithm", *(lay.col_name(c) for c in lay.columns)]
@@ -77,6 +78,8 @@ def accuracy_tables(lay: Layout) -> list[Table]:
         note = f"{what}; {final_def}" if kind == "final" else what
         if hyper_note := lay.column_hyper_note():
             note += f"; {hyper_note}"
+        if kind == "final":
+            note += twin_note
         tables.append(Table(kind, f"{label} {s.metric_label}: {s.title}", header, rows, note))
     return tables
 
@@ -88,22 +91,45 @@ def _best(stats: dict, lay: Layout, key: Any) -> set:
     return {r for v, r in cands if v == top}
 
 
-def _lead_rows(lay: Layout, cols: list[dict[str, Any]], kind: str) -> list[list[Cell]]:
-    """HaFedHo minus the best other competitor, in percentage points, when both exist."""
+def _twin_note(lay: Layout) -> str:
+    """What a momentum-twin row is, and the sweep's notes (e.g. the cells that have no twin, and why); '' if none."""
     s = lay.section
+    lines = []
+    if any(lay.is_twin(r) for r in lay.rows):
+        lines.append(
+            f"{TWIN_NAME}: HaFedHo's momentum twin, FedAvgM with beta = lambda*mu of the HaFedHo run beside it, "
+            "uniform weights, server_lr 1 and the same local lr (docs/algorithms.md, HaFedHo's momentum twin)"
+        )
+    return "".join(f"\n{line}" for line in [*lines, *s.notes])
+
+
+def _lead_rows(lay: Layout, cols: list[dict[str, Any]], kind: str) -> list[list[Cell]]:
+    """HaFedHo minus the best other competitor (momentum twins aside), and minus its twin, in percentage points,
+    when both exist."""
     own = ("hafedho", ())
     if own not in lay.rows:
         return []
-    cells, any_value = [Cell("HaFedHo lead over best baseline (pp)")], False
+    baselines = [r for r in lay.rows if r != own and not lay.is_reference(r) and not lay.is_twin(r)]
+    twins = [r for r in lay.rows if lay.section.twins.get(r[0]) == "hafedho" and not lay.is_reference(r)]
+    out = []
+    for name, against in (
+        ("HaFedHo lead over best baseline (pp)", baselines),
+        ("HaFedHo lead over its twin (pp)", twins),
+    ):
+        out += _lead_row(lay, cols, kind, name, own, against)
+    return out
+
+
+def _lead_row(
+    lay: Layout, cols: list[dict[str, Any]], kind: str, name: str, own: tuple, against: list[tuple]
+) -> list[list[Cell]]:
+    s = lay.section
+    cells, any_value = [Cell(name)], False
     if len(cols) == 1:
         cells += [Cell("")]
     for col in cols:
         g = lay.group_at(own, col)
-        others = [
-            accuracy_stat(o, s.metric, s.last, kind).mean
-            for r in lay.rows
-            if r != own and not lay.is_reference(r) and (o := lay.group_at(r, col))
-        ]
+        others = [accuracy_stat(o, s.metric, s.last, kind).mean for r in against if (o := lay.group_at(r, col))]
         others = [v for v in others if math.isfinite(v)]
         mine = accuracy_stat(g, s.metric, s.last, kind).mean if g else math.nan
         if others and math.isfinite(mine):
