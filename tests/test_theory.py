@@ -303,3 +303,40 @@ def test_exact_client_without_the_simulator_refuses() -> None:
         alg.rectification(alg.broadcast(alg.init_server(w), RoundInfo(1, 2, 1)), alg.init_client(w), info,
                           RoundInfo(1, 2, 1), own=(w, torch.tensor(0.0)), steps=1.0)  # fmt: skip
     assert isinstance(alg.attach_full_gradient(alg.init_server(w), {"uniform": (w, torch.tensor(0.0))}), ExactBroadcast)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
+    """Hand-made run directories (two rows, two seeds) with diag rows every 2 rounds: the report draws
+    diagnostics.png and tables early vs late, with the decay verdict by the larger-std rule."""
+    import json
+
+    from hafedho.config import dump_toml
+    from hafedho.report.build import write_report
+
+    errs = {"constant": [0.9, 0.8, 0.85, 0.9], "inverse_round": [0.9, 0.6, 0.4, 0.2]}
+    for sched, err in errs.items():
+        for seed in (0, 1):
+            d = tmp_path / f"h-{sched}-s{seed}"
+            d.mkdir()
+            cfg = {"seed": seed, "rounds": 8, "name": d.name, "diagnostics": {"every": 2}}
+            cfg["algorithm"] = {"name": "hafedho", "hafedho": {"mu_schedule": sched}}
+            (d / "config.toml").write_text(dump_toml(cfg))
+            rows = []
+            for t in range(1, 9):
+                row = {"round": t, "train/loss": 1.0 / t, "test/acc": 0.1 * t}
+                if t % 2 == 0:
+                    e = err[t // 2 - 1] + 0.01 * seed
+                    row.update({"diag/h_cos": 1 - e / 2, "diag/h_rel_err": e, "diag/h_norm": 1.0})
+                rows.append(json.dumps(row))
+            (d / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+            (d / "done").write_text("")
+    files = write_report(tmp_path, tmp_path / "rep")
+    assert "diagnostics.png" in [f.name for f in files.figures]
+    assert (tmp_path / "rep" / "diagnostics.png").stat().st_size > 5000
+    table = (tmp_path / "rep" / "diagnostics.csv").read_text().splitlines()
+    verdicts = {line.split(",")[0]: line.rsplit(",", 1)[1] for line in table[1:]}
+    assert verdicts == {"hafedho mu_schedule=constant": "flat", "hafedho mu_schedule=inverse_round": "decays"}
+    assert "0.905 ± 0.007,0.205 ± 0.007" in (tmp_path / "rep" / "diagnostics.csv").read_text()
