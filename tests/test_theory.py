@@ -340,3 +340,18 @@ def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
     verdicts = {line.split(",")[0]: line.rsplit(",", 1)[1] for line in table[1:]}
     assert verdicts == {"hafedho mu_schedule=constant": "flat", "hafedho mu_schedule=inverse_round": "decays"}
     assert "0.905 ± 0.007,0.205 ± 0.007" in (tmp_path / "rep" / "diagnostics.csv").read_text()
+
+
+def test_estimation_preset() -> None:
+    """The `estimation` preset at cpu scale: FEMNIST and CIFAR-10 at q = 0.3, constant mu and mu / t, 3 seeds, 100
+    rounds, diagnostics every 5 rounds."""
+    from hafedho.sweep.expand import expand
+    from hafedho.sweep.presets import load_preset
+
+    specs = expand(load_preset("estimation", "cpu"))
+    assert len(specs) == 2 * 2 * 3
+    assert {(s.cfg.data.source, s.cfg.algorithm["hafedho"]["mu_schedule"]) for s in specs} == {
+        (d, m) for d in ("femnist", "cifar10") for m in ("constant", "inverse_round")
+    }
+    assert all(s.cfg.diagnostics.every == 5 and s.cfg.rounds == 100 and s.cfg.data.q == 0.3 for s in specs)
+    assert {s.cfg.seed for s in specs} == {0, 1, 2}
