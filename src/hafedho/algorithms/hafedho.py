@@ -45,11 +45,11 @@ Switches for the paper's inconsistencies and ablations (defaults follow Algorith
     self_correction  remove the client's own stale contribution when it was sampled in round t-1.
     mu_schedule      "constant" (the experiments) or "inverse_round": mu_t = mu / t (the analysis).
     h_source         "aggregate": h from the stale aggregate g^{t-1} (Algorithm 1); "exact": Proposition 1's ideal,
-                     the method Algorithm 1 approximates, simulation only: h = lambda (G(w_t) - s_i a_i grad f_i(w_t))
+                     the method Algorithm 1 approximates, simulation only: h = lambda (G(w_t) - r_i a_i grad f_i(w_t))
                      with G(w_t) = sum_j a_j grad f_j(w_t) over ALL N clients' training data at w_t (a_j = 1/N for
-                     aggregation="uniform", p_j for "data_size"), s_i = 1 with self_correction (always: the exact
+                     aggregation="uniform", p_j for "data_size"), r_i = 1 with self_correction (always: the exact
                      G contains every client's share), lambda the client's local steps; f_hat likewise,
-                     sum_j a_j f_j(w_t) - s_i a_i f_i(w_t). The simulator delivers (G, sum_j a_j f_j) with the
+                     sum_j a_j f_j(w_t) - r_i a_i f_i(w_t). The simulator delivers (G, sum_j a_j f_j) with the
                      broadcast (``ExactBroadcast``, ``attach_full_gradient``); the client removes its own share
                      from its whole local data (one extra pass, ``needs_full_pass``). docs/algorithms.md,
                      "Theorem 1 measured / Proposition 1's ideal".
