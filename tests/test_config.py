@@ -75,7 +75,7 @@ def test_the_runtime_half_is_declared_on_the_fields() -> None:
     assert all(f.metadata["help"] for f in dataclasses.fields(Config) if f.name in RUNTIME_KEYS)  # still hp()s
     ident = experiment_identity(load_config(None))
     assert set(ident) == {f.name for f in dataclasses.fields(Config)} - RUNTIME_KEYS
-    assert set(ident) == {"seed", "data", "clients", "sampling", "model", "algorithm"}
+    assert set(ident) == {"seed", "data", "clients", "sampling", "model", "diagnostics", "algorithm"}
 
 
 def test_missing_data_path() -> None:

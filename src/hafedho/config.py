@@ -88,6 +88,20 @@ class ModelConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    """Simulator-only measurements that log more but never change a run's trajectory; part of the experiment
+    (a diagnostic run has other rows), so a run with them on has its own directory."""
+
+    every: int = hp(
+        0,
+        "Theorem 1 measured: every k-th round, before the cohort trains, log how well each sampled client's estimate "
+        "(HaFedHo's h) matches the exact full-data gradient it stands for (diag/*; one pass over all clients' "
+        "training data; simulation only); 0 = off",
+        ge=0,
+    )
+
+
+@dataclass
 class Config:
     seed: int = hp(0, "seed of everything (model init, partition, cohorts, batches)", ge=0)
     rounds: int = runtime_hp(100, "T: communication rounds", ge=1)
@@ -116,6 +130,7 @@ class Config:
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     algorithm: dict = field(default_factory=lambda: {"name": "hafedho"})
 
     @property
@@ -285,7 +300,12 @@ def validate(cfg: Config) -> Config:
     """Cross-field checks that need no data loaded, and the one check of ``[algorithm]``: the selected
     algorithm is built (bad hyperparameters fail here, before any run starts) and only its own
     ``[algorithm.NAME]`` table is kept (``hafedho.algorithms.applicable``: the others never apply to the run)."""
-    cfg.selected_algorithm()
+    alg = cfg.selected_algorithm()
+    if cfg.diagnostics.every and not alg.has_estimate():
+        raise ConfigError(
+            f"diagnostics.every={cfg.diagnostics.every}: {alg.name} keeps no estimate to measure (the diagnostics "
+            "measure HaFedHo's h); use algorithm.name=hafedho or set diagnostics.every=0"
+        )
     cfg.algorithm = applicable(cfg.algorithm)
     if cfg.name is not None:
         check_run_name(cfg.name)

@@ -125,6 +125,10 @@ class ServerRounds:
         self._msg_bytes = tree.num_bytes(msg)
         return rnd, msg
 
+    def untimed(self, seconds: float) -> None:
+        """Leave ``seconds`` of this round (a simulator-only measurement: ``[diagnostics]``) out of ``wall_s``."""
+        self._t0 += seconds
+
     def finish_round(self, t: int, out: CohortResult, reported: int, reached: int, **extra: Any) -> dict[str, Any]:
         """Round ``t``'s cohort is in: ``server_update`` with m = ``reported``, the divergence check, and the
         metrics row (cohort means of the clients' metrics, server metrics, ``extra``, wall time, the bytes

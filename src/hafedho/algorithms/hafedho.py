@@ -52,6 +52,18 @@ Switches for the paper's inconsistencies and ablations (defaults follow Algorith
     aggregation      "uniform": 1/m as Algorithm 1 writes; "data_size": weights |D_i| as in the analysis.
     self_correction  remove the client's own stale contribution when it was sampled in round t-1.
     mu_schedule      "constant" (the experiments) or "inverse_round": mu_t = mu / t (the analysis).
+    h_source         "aggregate": h from the stale aggregate g^{t-1} (Algorithm 1); "exact": Proposition 1's ideal,
+                     the method Algorithm 1 approximates, simulation only: h = lambda (G(w_t) - r_i a_i grad f_i(w_t))
+                     with G(w_t) = sum_j a_j grad f_j(w_t) over ALL N clients' training data at w_t (a_j = 1/N for
+                     aggregation="uniform", p_j for "data_size"), r_i = 1 with self_correction (always: the exact
+                     G contains every client's share), lambda the client's local steps; f_hat likewise,
+                     sum_j a_j f_j(w_t) - r_i a_i f_i(w_t). The simulator delivers (G, sum_j a_j f_j) with the
+                     broadcast (``ExactBroadcast``, ``attach_full_gradient``); the client removes its own share
+                     from its whole local data (one extra pass, ``needs_full_pass``). docs/algorithms.md,
+                     "Theorem 1 measured / Proposition 1's ideal".
+
+Theorem 1 measured: ``estimate`` gives the ``[diagnostics]`` pass (``hafedho.sim.fullgrad``) the h a client uses, the
+exact target it stands for (G(w_t) minus the client's share when h removes it) and the steady-state scale.
 
 Diff from FedAvg: the objective adds mu (f_hat + h^T (w - w_t)); everything else differs too (the broadcast carries
 g and f_hat, clients upload gradient sums and keep their last upload, the server steps along g with its own
@@ -76,6 +88,7 @@ from hafedho.core import (
     Params,
     RoundInfo,
     aggregation_weight,
+    full_gradient,
     hp,
     local_train,
     sgd,
@@ -90,6 +103,14 @@ class ServerState(NamedTuple):
 
 
 Broadcast = ServerState  # the wire payload is the whole server state (w_t, g^{t-1}, f_hat^{t-1})
+
+
+class ExactBroadcast(NamedTuple):
+    """The broadcast of h_source="exact": w_t and the simulator's full-data target at w_t (``attach_full_gradient``)."""
+
+    params: Params  # w_t
+    grad: Params  # G(w_t) = sum_j a_j grad f_j(w_t) over all N clients
+    f: Tensor  # sum_j a_j f_j(w_t), 0-d
 
 
 class ClientState(NamedTuple):
@@ -112,6 +133,12 @@ class HaFedHo(FedAlgorithm):
     aggregation: str = hp("uniform", "server weights: 1/m or |D_i|", choices=("uniform", "data_size"))
     self_correction: bool = hp(True, "subtract p_i g_i when the client was sampled in round t-1")
     mu_schedule: str = hp("constant", "mu_t = mu or mu / t", choices=("constant", "inverse_round"))
+    h_source: str = hp(
+        "aggregate",
+        "h: the stale aggregate g^{t-1} (Algorithm 1) or the exact lambda * gradient of the other clients' share at "
+        "w_t (Proposition 1's ideal; simulation only)",
+        choices=("aggregate", "exact"),
+    )
 
     def init_server(self, params: Params) -> ServerState:
         return ServerState(params, tree.zeros_like(params), torch.zeros(()))
@@ -125,15 +152,80 @@ class HaFedHo(FedAlgorithm):
     def mu_at(self, t: int) -> float:
         return self.mu / t if self.mu_schedule == "inverse_round" else self.mu
 
-    def client_update(
-        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
-    ) -> ClientResult:
-        w_t, mu = msg.params, self.mu_at(rnd.round)
+    @property
+    def needs_full_pass(self) -> bool:
+        return self.h_source == "exact"  # the client's own share grad f_i(w_t), from its whole local data
+
+    @property
+    def needs_full_gradient(self) -> bool:
+        return self.h_source == "exact"
+
+    def attach_full_gradient(self, msg: Broadcast, full: dict[str, tuple[Params, Tensor]]) -> ExactBroadcast:
+        grad, f = full[self.aggregation]
+        return ExactBroadcast(msg.params, grad, f)
+
+    def share(self, info: ClientInfo, rnd: RoundInfo) -> Tensor:
+        """a_i, client i's share of the target G = sum_j a_j grad f_j: p_i ("data_size") or 1/N ("uniform")."""
+        return info.weight if self.aggregation == "data_size" else torch.full_like(info.weight, 1 / rnd.num_clients)
+
+    def rectification(
+        self,
+        msg: Broadcast | ExactBroadcast,
+        state: ClientState,
+        info: ClientInfo,
+        rnd: RoundInfo,
+        own: tuple[Params, Tensor] | None = None,
+        steps: Tensor | float = 0.0,
+    ) -> tuple[Params, Tensor, Tensor]:
+        """``(h, f_hat, removed)``: the rectification the client uses in round ``rnd``; ``removed`` (bool, 0-d) says
+        whether the client's own share was taken out. h_source="exact" needs ``own = (grad f_i(w_t), f_i(w_t))`` and
+        ``steps`` = lambda."""
+        if self.h_source == "exact":
+            if not isinstance(msg, ExactBroadcast) or own is None:
+                raise ValueError(
+                    "hafedho: h_source='exact' needs the simulator's full-data gradient in the broadcast "
+                    "(attach_full_gradient; simulation only): run it with `hafedho run`, or set h_source='aggregate'"
+                )
+            removed = torch.tensor(self.self_correction)
+            a = self.share(info, rnd) * float(self.self_correction)
+            h = tree.scale(tree.axpy(-a, own[0], msg.grad), steps)
+            return h, msg.f - a * own[1], removed
         # Branch-free self-correction (vmap-safe): c = p_i if sampled in round t-1, else 0.
         prev = (state.last_round == rnd.round - 1) & torch.tensor(self.self_correction)
         c = torch.where(prev, info.weight, torch.zeros_like(info.weight))
         h = tree.axpy(-c, state.g_i, msg.g)
-        f_hat = msg.f_hat - c * state.f_hat_i
+        return h, msg.f_hat - c * state.f_hat_i, prev
+
+    def estimate(
+        self,
+        msg: Broadcast | ExactBroadcast,
+        state: ClientState,
+        info: ClientInfo,
+        rnd: RoundInfo,
+        full: dict[str, tuple[Params, Tensor]],
+        own: tuple[Params, Tensor],
+        steps: int,
+    ) -> tuple[Params, Params, float]:
+        """Theorem 1 measured: ``(h, target, s)`` with h as ``client_update`` uses it, target = G(w_t) minus the
+        client's share a_i grad f_i(w_t) when h removes it, and s the steady-state scale of h ~ s * target:
+        lambda / (1 - lambda mu_{t-1}) for accumulate="phi" (h = lambda (G + mu h) at a fixed point; lambda when
+        lambda mu >= 1, which has none), lambda for "f" and for h_source="exact"."""
+        h, _, removed = self.rectification(msg, state, info, rnd, own, float(steps))
+        grad, _ = full[self.aggregation]
+        target = tree.axpy(-(removed.to(info.weight.dtype) * self.share(info, rnd)), own[0], grad)
+        lam_mu = steps * self.mu_at(max(rnd.round - 1, 1))
+        steady = self.h_source == "aggregate" and self.accumulate == "phi" and lam_mu < 1
+        return h, target, steps / (1 - lam_mu) if steady else float(steps)
+
+    def client_update(
+        self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
+    ) -> ClientResult:
+        w_t, mu = msg.params, self.mu_at(rnd.round)
+        own, steps = None, 0.0
+        if self.h_source == "exact":  # the client's own share at w_t, and lambda = its real local steps
+            own = full_gradient(model, w_t, self.full_data(data))
+            steps = (data.mask.flatten(1).sum(1) > 0).to(info.weight.dtype).sum()
+        h, f_hat, _ = self.rectification(msg, state, info, rnd, own, steps)
 
         def phi(w: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
             f = model.loss(w, x, y, m)

@@ -118,6 +118,43 @@ class FedAlgorithm:
             )
         return data.full
 
+    @property
+    def needs_full_gradient(self) -> bool:
+        """True when the broadcast must carry the exact full-data gradient at w_t over EVERY client's training data
+        (an idealised method, simulation only): the simulator computes it (``hafedho.sim.fullgrad``) and hands it
+        to ``attach_full_gradient``; the Flower apps refuse such a setting."""
+        return False
+
+    def attach_full_gradient(self, msg: Any, full: dict[str, tuple[Params, Tensor]]) -> Any:
+        """The broadcast with the full-data gradient at w_t attached, for ``needs_full_gradient`` algorithms.
+
+        ``full[weighting] = (sum_j a_j grad f_j(w_t), sum_j a_j f_j(w_t))`` over all N clients, with a_j = 1/N for
+        ``"uniform"`` and a_j = p_j for ``"data_size"`` (``aggregation_weight``'s names), in the parameters' dtype.
+        """
+        raise NotImplementedError(f"{self.name} does not use the full-data gradient")
+
+    def estimate(
+        self,
+        msg: Any,
+        state: Any,
+        info: ClientInfo,
+        rnd: RoundInfo,
+        full: dict[str, tuple[Params, Tensor]],
+        own: tuple[Params, Tensor],
+        steps: int,
+    ) -> tuple[Params, Params, float]:
+        """The ``[diagnostics]`` hook (simulation only): ``(e, target, s)`` for a client about to train in round
+        ``rnd`` from ``state``: the estimate ``e`` its ``client_update`` would use, the exact quantity ``target`` it
+        stands for (from ``full``, as in ``attach_full_gradient``, and ``own = (grad f_i(w_t), f_i(w_t))``), and
+        the steady-state scale ``s`` with ``e ~ s * target``; ``steps`` is the client's lambda. Algorithms that
+        keep no such estimate leave this out, and ``diagnostics.every > 0`` is refused for them."""
+        raise NotImplementedError(f"{self.name} keeps no estimate for the diagnostics to measure")
+
+    @classmethod
+    def has_estimate(cls) -> bool:
+        """Whether the algorithm defines ``estimate`` (``[diagnostics]`` applies to it)."""
+        return cls.estimate is not FedAlgorithm.estimate
+
     def init_server(self, params: Params) -> Any:
         """The ``ServerState`` of round 1 from the initial global model."""
         raise NotImplementedError

@@ -18,6 +18,7 @@ PURPOSES: dict[str, str] = {
     "batches": "client i's batches in round t; (t, i)",
     "client_torch": "client i's torch generator in round t (dropout); (t, i)",
     "vmap_chunk": "chunk k's torch generator in round t under vmap (dropout); (t, k)",
+    "full_gradient": "the torch generator of the simulator's full-data pass over client j in round t; (t, j)",
 }
 
 

@@ -126,11 +126,11 @@ def _supernode(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hafedho.flower.common import config_path
+    from hafedho.flower.common import check_deployable, config_path
 
     items = list(args.overrides)
     name = items.pop(0) if items and "=" not in items[0] else "default"
-    cfg = load_config(config_path(name), items)  # fail here, not on the server, for a bad config
+    cfg = check_deployable(load_config(config_path(name), items))  # fail here, not on the server, for a bad config
     n = cfg.data.num_clients  # 0: all natural clients, known once the data is read (the server checks it then)
     if args.simulation is not None and n and args.simulation != n:
         raise ConfigError(

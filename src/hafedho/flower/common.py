@@ -56,10 +56,28 @@ def overrides_of(run_config: Mapping[str, Any], data_path: str | None = None) ->
 
 
 def load_run_config(run_config: Mapping[str, Any], data_path: str | None = None) -> Config:
-    """The hafedho ``Config`` named by a Flower run config (checked like ``hafedho run``)."""
-    return load_config(
-        config_path(str(run_setting(run_config, "hafedho-config"))), list(overrides_of(run_config, data_path))
-    )
+    """The hafedho ``Config`` named by a Flower run config (checked like ``hafedho run``, and refused where it needs
+    the simulator: ``check_deployable``)."""
+    path = config_path(str(run_setting(run_config, "hafedho-config")))
+    return check_deployable(load_config(path, list(overrides_of(run_config, data_path))))
+
+
+def check_deployable(cfg: Config) -> Config:
+    """Refuse what only the simulator can compute (every client's data in one place): ``[diagnostics]`` and
+    algorithms that need the exact full-data gradient (HaFedHo's h_source="exact")."""
+    if cfg.diagnostics.every:
+        raise ConfigError(
+            f"diagnostics.every={cfg.diagnostics.every}: diagnostics are simulation only (they read every client's "
+            "data); run with `hafedho run`, or set diagnostics.every=0 for Flower"
+        )
+    alg = cfg.selected_algorithm()
+    if alg.needs_full_gradient:
+        raise ConfigError(
+            f"{alg.name}: these settings need the exact full-data gradient over every client's data (hafedho: "
+            "h_source='exact', Proposition 1's ideal), simulation only; run with `hafedho run`, or set "
+            "algorithm.h_source='aggregate' for Flower"
+        )
+    return cfg
 
 
 def experiment(run_config: Mapping[str, Any], data_path: str | None = None) -> Experiment:

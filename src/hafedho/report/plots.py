@@ -1,4 +1,5 @@
-"""A section's figures: metric per round with a band over seeds; final metric vs settings and hyperparameters."""
+"""A section's figures: metric per round with a band over seeds; final metric vs settings and hyperparameters; the
+``[diagnostics]`` curves where runs logged them."""
 
 from __future__ import annotations
 
@@ -234,11 +235,57 @@ def twin_points(lay: Layout, label: str, key: str, col: dict[str, Any]) -> dict[
     return out
 
 
+DIAGNOSTICS = (("diag/h_cos", "cos(h, target)"), ("diag/h_rel_err", "relative error of h / s"))
+
+
+def has_diagnostics(lay: Layout) -> bool:
+    """Whether any run of the section logged ``[diagnostics]`` rows (``diag/*``)."""
+    return any("diag/h_cos" in row for g in lay.section.groups for r in g.runs for row in r.rows)
+
+
+def diagnostic_curves(lay: Layout, out: str | Path) -> Path | None:
+    """Theorem 1 measured: cos(h, target) (top) and the relative error after the steady-state scale (bottom) per
+    diagnostic round, one panel per setting, one line per row (mean over finished seeds, ±1 std band; rows whose
+    every seed diverged dashed up to the divergence). See docs/algorithms.md, "Theorem 1 measured"."""
+    if not lay.rows or not has_diagnostics(lay):
+        return None
+    cols = len(lay.columns)
+    fig, grid = plt.subplots(2, cols, figsize=(4.2 * cols, 6.4 + 0.8), dpi=110, squeeze=False)
+    colors = _colors(lay.rows)
+    axes = []
+    for i, (metric, label) in enumerate(DIAGNOSTICS):
+        for ax, col in zip(grid[i], lay.columns, strict=True):
+            for r in lay.rows:
+                g = lay.group_at(r, col)
+                if g is None:
+                    continue
+                runs, style = g.finished(), "-"
+                if not runs:
+                    runs, style = g.diverged(), "--"
+                curve = _curve(runs, metric)
+                if curve is None or not curve[0]:
+                    continue
+                rounds, vals = curve[0], curve[1] / 100  # _curve gives percent
+                mean, std = vals.mean(0), vals.std(0)
+                ax.plot(rounds, mean, style, color=colors[r], label=lay.row_name(r), lw=1.4, marker=".", ms=3)
+                if len(vals) > 1:
+                    ax.fill_between(rounds, mean - std, mean + std, color=colors[r], alpha=0.15, lw=0)
+            if i == 0:
+                ax.set_title(lay.col_name(col) if lay.col_keys else lay.section.title, fontsize=9)
+            ax.set_ylabel(label, fontsize=8)
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            axes.append(ax)
+    return _finish(fig, axes, Path(out), DIAGNOSTICS[0][1])
+
+
 def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Path]:
     """Every figure a section supports: curves; metric vs each numeric setting; vs each numeric hyperparameter."""
     out_dir = Path(out_dir)
     made = []
     if (p := section_curves(lay, out_dir / f"{prefix}accuracy.png")) is not None:
+        made.append(p)
+    if (p := diagnostic_curves(lay, out_dir / f"{prefix}diagnostics.png")) is not None:
         made.append(p)
     for key in lay.col_keys:
         values = {col[key] for col in lay.columns}  # hashable: lists and tables are frozen (runs.freeze)

@@ -15,6 +15,7 @@ from hafedho.rounds import Divergence, ServerRounds, run_facts
 from hafedho.rundir import RunDir
 from hafedho.sim.engines.base import Engine, RoundWork
 from hafedho.sim.engines.registry import engine_for
+from hafedho.sim.fullgrad import prepare_round
 from hafedho.sim.store import ClientStore
 
 __all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
@@ -90,8 +91,11 @@ def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool,
     for t in bar:
         cohort = exp.cohort(t)
         rnd, msg = rounds.begin(t, len(cohort))
+        # the full-data pass where the algorithm or [diagnostics] asks for it (sim/fullgrad.py); else nothing
+        msg, diag, untimed = prepare_round(exp, alg.eval_params(rounds.server), msg, rnd, cohort.tolist(), store)
+        rounds.untimed(untimed)
         out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
-        row = rounds.finish_round(t, out, len(cohort), len(cohort))
+        row = rounds.finish_round(t, out, len(cohort), len(cohort), **diag)
         ev = rounds.evaluate(t, row, store.gather)
         if ev is not None:
             bar.set_postfix(acc=f"{ev['acc']:.3f}")

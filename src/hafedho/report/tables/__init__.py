@@ -12,6 +12,7 @@ from hafedho.report.layout import Layout
 from hafedho.report.runs import Section
 from hafedho.report.table import Table
 from hafedho.report.tables.best_hyper import best_hyper_table
+from hafedho.report.tables.diagnostics import diagnostics_table
 from hafedho.report.tables.final import accuracy_tables
 from hafedho.report.tables.rounds import rounds_tables
 from hafedho.report.tables.status import status_table
@@ -23,6 +24,7 @@ TABLES: dict[str, Callable[[Layout], list[Table]]] = {
     "rounds": rounds_tables,
     "best_hyper": best_hyper_table,
     "verdict": verdict_table,
+    "diagnostics": diagnostics_table,  # only where runs logged [diagnostics]
 }
 
 
