@@ -23,7 +23,7 @@ from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, read_index, write_index
 from hafedho.sweep.presets import SCALES, list_presets, load_preset
 
-PAPER = ["estimation", "fig2", "fig3", "hetero", "synthetic", "table1", "table2", "table3", "tune"]
+PAPER = ["converge", "estimation", "fig2", "fig3", "hetero", "synthetic", "table1", "table2", "table3", "tune"]
 
 TINY = """
 seeds = 2
