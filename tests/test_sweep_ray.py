@@ -45,6 +45,9 @@ def ray_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     try:
         yield folder
     finally:
+        deadline = time.monotonic() + 30  # a stopped Ray's processes take a moment to exit
+        while _processes_using(folder) and time.monotonic() < deadline:
+            time.sleep(0.2)
         left = _processes_using(folder)
         for pid in left:  # ended by pid; the assertion below still fails the test
             os.kill(pid, signal.SIGKILL)
@@ -137,6 +140,46 @@ def test_a_missing_ray_names_the_extra(
     assert capsys.readouterr().err == "hafedho: error: --backend ray needs Ray: pip install 'hafedho[ray]'\n"
 
 
+def _src_env() -> dict[str, str]:
+    """This environment with the checkout's ``src`` importable (Ray's workers and subprocesses import hafedho)."""
+    src = str(Path(__file__).parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_a_ray_sweep(tmp_path: Path, ray_tmp: Path) -> None:
+    """Ctrl-C (SIGINT to the process group) while two runs are tasks on the sweep's own local cluster: one line,
+    exit 130, the tasks cancelled and the cluster stopped (the fixture checks no Ray process is left), the runs'
+    rows one per round, for the same command to continue from their checkpoints."""
+    path = tiny(tmp_path).rename(tmp_path / "long.toml")
+    path.write_text(path.read_text().replace("rounds = 3\n", "rounds = 5000\n"))
+    cmd = [sys.executable, "-m", "hafedho", "sweep", str(path), "--backend", "ray", "--quiet"]
+    env = _src_env()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(list((tmp_path / "runs-cpu").glob("*/checkpoint.pt"))) < 2:
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (
+        "hafedho: sweep interrupted with 0 of 4 runs done; run the same command again to continue "
+        "(finished runs are skipped, interrupted ones resume from their last checkpoint)"
+    )
+    rows = {p.parent.name: read_metrics(p.parent) for p in (tmp_path / "runs-cpu").glob("*/checkpoint.pt")}
+    assert len(rows) >= 2 and all(r and [x["round"] for x in r] == list(range(1, len(r) + 1)) for r in rows.values())
+
+
 # ----------------------------------------------------------------------------- a real cluster on loopback
 
 
@@ -172,22 +215,14 @@ def test_a_worker_node_killed_mid_sweep(tmp_path: Path) -> None:
     raylet is killed (SIGKILL) while a run is on it, after that run has checkpointed: the lost run is resubmitted
     and resumes on the head from its checkpoint; every run finishes with one row per round, metrics equal to an
     uninterrupted run's, the rows before the checkpoint not recomputed, runs finished before the kill untouched."""
-    rounds = 40
+    rounds = 150  # about 7 s a run: the run on the worker node is still running when its raylet is killed
     path = tiny(tmp_path)
     path.write_text(path.read_text().replace("rounds = 3\n", f"rounds = {rounds}\n"))
     out = tmp_path / "runs-cpu"
     specs = expand(load_preset(str(path)))
     assert len(specs) == 4
     head_tmp, worker_tmp = (Path(tempfile.mkdtemp(prefix=p, dir="/tmp")) for p in ("hfh", "hfw"))
-    env = {
-        **os.environ,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH")) if p
-        ),
-    }
-    env.pop("RAY_ADDRESS", None)
+    env = _src_env()
     port = free_port()
     services: list[Service] = []
     sweep: subprocess.Popen | None = None
@@ -206,8 +241,17 @@ def test_a_worker_node_killed_mid_sweep(tmp_path: Path) -> None:
         services.append(worker)
         _wait("the worker node", lambda: "Ray runtime started" in worker.output(), 120, head, worker)
 
-        cmd = [sys.executable, "-m", "hafedho", "sweep", str(path), "--backend", "ray", "--address",
-               f"127.0.0.1:{port}", "--quiet"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "hafedho",
+            "sweep",
+            str(path),
+            "--backend",
+            "ray",
+            "--address",
+            f"127.0.0.1:{port}",
+        ]  # fmt: skip (not --quiet: the retry line is a per-run line)
         log = open(tmp_path / "sweep.log", "w")  # noqa: SIM115 - closed below
         sweep = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
