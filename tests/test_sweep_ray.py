@@ -130,6 +130,13 @@ def test_ray_options_are_refused_in_one_line(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(ConfigError, match="no node of x offers 5 CPUs"):
         check_feasible(nodes, 5, 0, "x")
     assert RayBackend(cpus_per_run=2, gpus_per_run=0.5).gpus_per_run == 0.5
+    port = free_port()  # nothing listens there: refused at once (Ray itself would retry for minutes)
+    assert main(["sweep", path, "--quiet", "--backend", "ray", "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"hafedho: error: --address 127.0.0.1:{port}: no Ray cluster answers there")
+        and err.count("\n") == 1
+    ), err
 
 
 def test_a_missing_ray_names_the_extra(

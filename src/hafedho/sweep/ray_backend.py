@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -45,6 +46,21 @@ def check_feasible(nodes: list[dict[str, Any]], cpus: int, gpus: float, where: s
         f"no node of {where} offers {cpus} CPUs and {gpus:g} GPUs for one run (nodes: {have}); "
         "lower --cpus-per-run / --gpus-per-run, or add a node that has them"
     )
+
+
+def check_reachable(address: str, source: str, timeout: float = 5.0) -> None:
+    """Refuse a ``HOST:PORT`` that nothing listens on (Ray itself would retry for minutes); other forms
+    (``auto``, ``ray://``) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConfigError(
+            f"{source} {address}: no Ray cluster answers there ({e.strerror or e}); start one with "
+            "`ray start --head --port=PORT` and pass the address it prints"
+        ) from None
 
 
 def _task(cfg: Any, run_dir: str, threads: int, cwd: str, lock_wait_s: float) -> Outcome:
@@ -112,6 +128,7 @@ class RayBackend:
                 )
             else:
                 source = "--address" if self.address else "RAY_ADDRESS"
+                check_reachable(address, source)
                 try:
                     ray.init(address=address, **common)
                 except (ConnectionError, ValueError, RuntimeError) as e:
