@@ -45,10 +45,7 @@ def ray_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     try:
         yield folder
     finally:
-        deadline = time.monotonic() + 30  # a stopped Ray's processes take a moment to exit
-        while _processes_using(folder) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _processes_using(folder)
+        left = _left_after(folder, 30)
         for pid in left:  # ended by pid; the assertion below still fails the test
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(folder, ignore_errors=True)
@@ -56,16 +53,27 @@ def ray_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def _processes_using(folder: Path) -> list[int]:
-    """Pids of the processes whose command line names ``folder`` (every Ray process names its temp folder)."""
+    """Pids of the processes that name ``folder`` in their command line (Ray's services) or have it as their
+    RAY_TMPDIR (Ray's workers, whose titles like ``ray::IDLE`` replace their command lines)."""
+    marks = (str(folder).encode(), f"RAY_TMPDIR={folder}\0".encode())
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if str(folder).encode() in (entry / "cmdline").read_bytes():
-                    out.append(int(entry.name))
+                cmdline, environ = (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()
             except OSError:
                 continue
+            if marks[0] in cmdline or marks[1] in environ:
+                out.append(int(entry.name))
     return out
+
+
+def _left_after(folder: Path, timeout: float) -> list[int]:
+    """``_processes_using(folder)`` once they have had ``timeout`` seconds to exit (a stopped Ray's take a moment)."""
+    deadline = time.monotonic() + timeout
+    while _processes_using(folder) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _processes_using(folder)
 
 
 def _compare_with_local(local: Path, on_ray: Path, preset: str) -> list[str]:
@@ -100,7 +108,7 @@ def test_a_ray_sweep_equals_the_local_one(tmp_path: Path, ray_tmp: Path, capsys:
     assert "sweep tiny (cpu): 2 done" in out and "a local Ray cluster of" in out, out
     names = _compare_with_local(local, on_ray, "tiny")
     assert all(json.loads((on_ray / n / "env.json").read_text())["torch_threads"] == 1 for n in names)
-    assert not _processes_using(ray_tmp), "the sweep's local Ray cluster outlived it"
+    assert not _left_after(ray_tmp, 30), "the sweep's local Ray cluster outlived it"
     assert main(["sweep", str(path), "--backend", "ray", "--quiet", "--out", str(on_ray)]) == 0
     out = capsys.readouterr().out
     assert "2 skipped" in out and "Ray" not in out
@@ -190,10 +198,11 @@ def test_ctrl_c_cancels_a_ray_sweep(tmp_path: Path, ray_tmp: Path) -> None:
 # ----------------------------------------------------------------------------- a real cluster on loopback
 
 
-def _ray_start(name: str, args: list[str], tmp: Path, env: dict[str, str]) -> Service:
+def _ray_start(name: str, args: list[str], tmp: Path, env: dict[str, str], logs: Path) -> Service:
+    """``ray start --block`` (it stays the parent of the node's processes) with its own temp folder."""
     ray = str(Path(sys.executable).parent / "ray")
     argv = [ray, "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", f"--temp-dir={tmp}", *args]
-    return Service(name, argv, tmp.parent / f"{name}.log", env, cwd=tmp.parent)
+    return Service(name, argv, logs / f"{name}.log", {**env, "RAY_TMPDIR": str(tmp)}, cwd=logs)
 
 
 def _cmdline(pid: int) -> str:
@@ -238,12 +247,16 @@ def test_a_worker_node_killed_mid_sweep(tmp_path: Path) -> None:
             "head",
             ["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
              f"--dashboard-agent-listen-port={free_port()}"],
-            head_tmp, env,
+            head_tmp, env, tmp_path,
         )  # fmt: skip
         services.append(head)
         _wait("the head", lambda: "Ray runtime started" in head.output(), 120, head)
         worker = _ray_start(
-            "worker", [f"--address=127.0.0.1:{port}", f"--dashboard-agent-listen-port={free_port()}"], worker_tmp, env
+            "worker",
+            [f"--address=127.0.0.1:{port}", f"--dashboard-agent-listen-port={free_port()}"],
+            worker_tmp,
+            env,
+            tmp_path,
         )
         services.append(worker)
         _wait("the worker node", lambda: "Ray runtime started" in worker.output(), 120, head, worker)

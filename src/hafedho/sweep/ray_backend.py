@@ -113,6 +113,7 @@ class RayBackend:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if ray.is_initialized():  # a script's own session: use it, leave it open
             self.where = "the Ray session this process joined"
+            check_feasible(ray.nodes(), self.cpus_per_run, self.gpus_per_run, self.where)
             return ray, False
         env = os.environ.get("RAY_ADDRESS") or None
         address = self.address or env
@@ -169,8 +170,8 @@ class RayBackend:
                 spec, attempt = pending.pop(ref)
                 try:
                     outcome = ray.get(ref)
-                except TaskCancelledError:
-                    continue
+                except TaskCancelledError:  # someone else's `ray cancel` (ours come with Ctrl-C, below)
+                    outcome = Outcome(spec.name, "failed", "its Ray task was cancelled; the next sweep resumes it")
                 except RayTaskError as e:  # the task itself raised: e.g. hafedho not importable on that node
                     cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
                     hint = "; the Ray nodes need hafedho in the same venv" if isinstance(cause, ImportError) else ""
