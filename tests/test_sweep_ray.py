@@ -115,7 +115,9 @@ def test_a_ray_sweep_equals_the_local_one(tmp_path: Path, ray_tmp: Path, capsys:
     print(f"ray sweep of 2 runs: {seconds:.1f} s")
 
 
-def test_ray_options_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ray_options_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from hafedho.sweep.ray_backend import RayBackend, check_feasible
 
     path = str(tiny(tmp_path))
@@ -139,12 +141,14 @@ def test_ray_options_are_refused_in_one_line(tmp_path: Path, capsys: pytest.Capt
         check_feasible(nodes, 5, 0, "x")
     assert RayBackend(cpus_per_run=2, gpus_per_run=0.5).gpus_per_run == 0.5
     port = free_port()  # nothing listens there: refused at once (Ray itself would retry for minutes)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # --address wins over RAY_ADDRESS ...
     assert main(["sweep", path, "--quiet", "--backend", "ray", "--address", f"127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith(f"hafedho: error: --address 127.0.0.1:{port}: no Ray cluster answers there")
-        and err.count("\n") == 1
-    ), err
+    assert err.startswith(f"hafedho: error: --address 127.0.0.1:{port}: no Ray cluster answers there"), err
+    assert err.count("\n") == 1
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # ... which is used without it
+    assert main(["sweep", path, "--quiet", "--backend", "ray"]) == 2
+    assert capsys.readouterr().err.startswith(f"hafedho: error: RAY_ADDRESS 127.0.0.1:{port}: no Ray cluster answers")
 
 
 def test_a_missing_ray_names_the_extra(
