@@ -93,26 +93,28 @@ def _compare_with_local(local: Path, on_ray: Path, preset: str) -> list[str]:
     return names
 
 
-def test_a_ray_sweep_equals_the_local_one(tmp_path: Path, ray_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A local Ray cluster started in-process: the same runs, index and metrics as the local backend, one torch
-    thread per run (its one CPU); a second sweep skips every run without starting Ray."""
-    path = tiny(tmp_path, extra="")
+def test_a_ray_sweep_equals_the_local_one(
+    tmp_path: Path, ray_tmp: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local Ray cluster of 2 CPUs started in-process: the same runs, index and metrics as the local backend,
+    one torch thread per run (its one CPU); a second sweep skips every run without starting Ray."""
+    import hafedho.sweep.ray_backend as ray_backend
+
+    monkeypatch.setattr(ray_backend, "available_cores", lambda: 2)  # 2 CPUs whatever the machine has
+    path = tiny(tmp_path)
     path.write_text(path.read_text().replace("seeds = 2", "seeds = 1"))
     local, on_ray = tmp_path / "local", tmp_path / "ray"
     assert main(["sweep", str(path), "--quiet", "--out", str(local)]) == 0
     capsys.readouterr()
-    t0 = time.perf_counter()
     assert main(["sweep", str(path), "--backend", "ray", "--quiet", "--out", str(on_ray)]) == 0
-    seconds = time.perf_counter() - t0
     out = capsys.readouterr().out
-    assert "sweep tiny (cpu): 2 done" in out and "a local Ray cluster of" in out, out
+    assert "sweep tiny (cpu): 2 done" in out and "on a local Ray cluster of 2 CPUs, started for this sweep" in out
     names = _compare_with_local(local, on_ray, "tiny")
     assert all(json.loads((on_ray / n / "env.json").read_text())["torch_threads"] == 1 for n in names)
     assert not _left_after(ray_tmp, 30), "the sweep's local Ray cluster outlived it"
     assert main(["sweep", str(path), "--backend", "ray", "--quiet", "--out", str(on_ray)]) == 0
     out = capsys.readouterr().out
     assert "2 skipped" in out and "Ray" not in out
-    print(f"ray sweep of 2 runs: {seconds:.1f} s")
 
 
 def test_ray_options_are_refused_in_one_line(
