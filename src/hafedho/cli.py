@@ -6,8 +6,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hafedho.config import CONFIG_DIR, Config, ConfigError, load_config
+
+if TYPE_CHECKING:  # Ray is optional: the backend's module is imported only for --backend ray
+    from hafedho.sweep.ray_backend import RayBackend
 
 
 def _config_path(name: str | None) -> Path | None:
@@ -103,6 +107,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(f"{run_status(s.run_dir):11s} {s.name}  [{point}]")
         print(f"{len(specs)} runs of {preset.name} ({preset.scale}) in {out}")
         return 0
+    backend = _sweep_backend(args)
     failed: dict[str, str] = {}
     write_index(preset, specs, out)
 
@@ -111,12 +116,32 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             failed[o.name] = o.message
             write_index(preset, specs, out, failed)
 
-    result = run_sweep(specs, jobs=args.jobs, progress=not args.quiet, on_outcome=on_outcome)
-    print(f"sweep {preset.name} ({preset.scale}): {result.summary()}; runs in {out}")
+    result = run_sweep(specs, jobs=args.jobs, progress=not args.quiet, on_outcome=on_outcome, backend=backend)
+    on = f", on {backend.where}" if backend is not None and backend.where else ""
+    print(f"sweep {preset.name} ({preset.scale}): {result.summary()}; runs in {out}{on}")
     for o in result.failed:
         print(f"hafedho: failed: {o.name}: {o.message}", file=sys.stderr)
     print(f"report: hafedho report {out}")
     return 1 if result.failed else 0
+
+
+def _sweep_backend(args: argparse.Namespace) -> RayBackend | None:
+    """``--backend ray``'s ``RayBackend``; None for the local backend, which refuses the Ray options."""
+    keys = ("address", "cpus_per_run", "gpus_per_run")
+    ray_opts = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k) is not None]
+    if args.backend == "local":
+        if ray_opts:
+            raise ConfigError(f"{', '.join(ray_opts)}: only with --backend ray")
+        return None
+    if args.jobs != 1:
+        raise ConfigError(
+            "--jobs is the local backend's; on Ray the cluster's CPUs over --cpus-per-run decide how many runs at once"
+        )
+    from hafedho.sweep.ray_backend import RayBackend
+
+    cpus = 1 if args.cpus_per_run is None else args.cpus_per_run
+    gpus = 0.0 if args.gpus_per_run is None else args.gpus_per_run
+    return RayBackend(args.address, cpus, gpus, log_to_driver=not args.quiet)
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
@@ -185,6 +210,15 @@ def parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the preset's, usually 3)")
     sw.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default 1)")
+    sw.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="local (default: this machine, --jobs processes) or ray (each run a Ray task; needs hafedho[ray])",
+    )
+    sw.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local cluster of all cores)")
+    sw.add_argument("--cpus-per-run", type=int, help="Ray: CPUs a run reserves, its torch threads (default 1)")
+    sw.add_argument("--gpus-per-run", type=float, help="Ray: GPUs a run reserves, fractions allowed (default 0)")
     sw.add_argument("--scale", choices=("cpu", "full"), default="cpu", help="cpu (default) or the paper's full scale")
     sw.add_argument("--out", help="folder for the run directories (default: the preset's, e.g. results/paper-cpu)")
     sw.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")

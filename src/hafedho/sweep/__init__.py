@@ -45,6 +45,7 @@ engine, workers, threads, checkpoint cadence or ``rounds``), so identical runs o
 run. ``OUT/sweeps/PRESET.json`` lists the runs of the latest sweep of that preset for ``hafedho report``.
 
 Modules, in import order: ``presets`` (read and merge a preset file), ``expand`` (preset -> ``RunSpec`` list),
-``execute`` (run the specs: skip, resume, parallel workers), ``index`` (the sweep index's format, the one module
+``execute`` (run the specs: skip, resume, parallel workers), ``ray_backend`` (each run a task on a Ray
+cluster; imported only for ``--backend ray``), ``index`` (the sweep index's format, the one module
 of the sweep the report imports).
 """

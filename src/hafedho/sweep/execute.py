@@ -1,4 +1,9 @@
-"""Execution: run the specs that are not done, in this process or in spawned workers, one outcome per run."""
+"""Execution: run the specs that are not done, in this process, in spawned workers or as Ray tasks
+(``hafedho.sweep.ray_backend``), one outcome per run.
+
+``run_sweep`` owns what every backend shares: which runs are skipped (done before) or kept (diverged before),
+the progress bar, the per-run lines and Ctrl-C. ``run_spec`` is the one per-run body that every backend calls.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from tqdm import tqdm
 
@@ -57,6 +63,14 @@ def run_status(run_dir: Path) -> str:
     return "new"
 
 
+class Backend(Protocol):
+    """Runs the specs that ``run_sweep`` left to do elsewhere (``hafedho.sweep.ray_backend.RayBackend``): each one
+    through ``run_spec``, each outcome handed to ``record`` once; ``echo`` prints a line under the progress bar.
+    On KeyboardInterrupt it stops its runs (they resume from their checkpoints) and re-raises."""
+
+    def run(self, todo: list[RunSpec], record: Callable[[Outcome], None], echo: Callable[[str], None]) -> None: ...
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -89,14 +103,29 @@ def _init_worker(threads: int, parent: int) -> None:
     threading.Thread(target=watch, name="sweep-parent-watch", daemon=True).start()
 
 
-def run_spec(cfg: Config, run_dir: str) -> Outcome:
-    """Run (or resume) one run; never raises for a run's own failure, so one bad run cannot stop a sweep."""
+def run_spec(cfg: Config, run_dir: str, threads: int | None = None) -> Outcome:
+    """Run (or resume) one run; never raises for a run's own failure, so one bad run cannot stop a sweep.
+
+    ``threads``: torch threads for a run with ``threads = 0`` (its own ``threads`` > 0 wins), the caller's setting
+    restored afterwards; None keeps the current setting (a pool worker's initializer has set it)."""
+    if threads is None:
+        return _run_spec(cfg, Path(run_dir))
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run_spec(cfg, Path(run_dir))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_spec(cfg: Config, path: Path) -> Outcome:
     from hafedho.experiment import build
     from hafedho.results import RunBusy
     from hafedho.sim.runner import Divergence, run
 
-    t0, path = time.perf_counter(), Path(run_dir)
-    name = path.name  # the spec's name (Config.run_name)
+    t0, name = time.perf_counter(), path.name  # the spec's name (Config.run_name)
     if run_status(path) == "done":  # finished by another sweep since this one started
         return Outcome(name, "skipped", "done meanwhile")
     try:  # run() takes the run's lock (RunLock), shared with `hafedho run` and other sweeps
@@ -123,9 +152,11 @@ def run_sweep(
     jobs: int = 1,
     progress: bool = True,
     on_outcome: Callable[[Outcome], None] | None = None,
+    backend: Backend | None = None,
 ) -> SweepResult:
     """Run every spec that is not done: finished runs are skipped, interrupted ones resumed, diverged ones
-    recorded but not retried. ``jobs`` > 1 runs that many spawned processes, one run per task."""
+    recorded but not retried. ``jobs`` > 1 runs that many spawned processes, one run per task; a ``backend``
+    (``RayBackend``) runs each as a task on a Ray cluster instead (``jobs`` then does not apply)."""
     result = SweepResult()
     todo: list[RunSpec] = []
     for s in specs:
@@ -150,17 +181,13 @@ def run_sweep(
             on_outcome(o)
 
     try:
-        if jobs <= 1 or len(todo) <= 1:
-            import torch
-
-            previous = torch.get_num_threads()
-            torch.set_num_threads(share_of_cores(1))  # the rule of jobs > 1, for threads = 0
-            try:
-                for s in todo:
-                    bar.set_postfix_str(s.name)
-                    record(run_spec(s.cfg, str(s.run_dir)))
-            finally:
-                torch.set_num_threads(previous)
+        if backend is not None:
+            if todo:
+                backend.run(todo, record, echo)
+        elif jobs <= 1 or len(todo) <= 1:
+            for s in todo:
+                bar.set_postfix_str(s.name)
+                record(run_spec(s.cfg, str(s.run_dir), threads=share_of_cores(1)))  # the rule of jobs > 1
         else:
             ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's torch threads and locks
             with ProcessPoolExecutor(
