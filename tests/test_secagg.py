@@ -17,10 +17,10 @@ import torch
 
 pytest.importorskip("flwr")
 
+import test_flower
 from flower_helpers import LocalGrid, flower_final, max_abs_diff, simulate, simulate_with_drops
 from flwr.app import Context, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-from test_flower import deployments as _deployments  # noqa: F401 (the fixture `deployments`)
 from test_flower import finish, run_config, start_federation
 
 from hafedho.config import ConfigError
@@ -32,6 +32,7 @@ from hafedho.results import read_metrics
 from hafedho.sim.engines.base import RoundWork
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
+deployments = test_flower.deployments  # the Flower tests' fixture: processes ended by pid, pass or fail
 
 
 class WireGrid(LocalGrid):
@@ -101,8 +102,8 @@ def test_settings_and_algorithms_are_refused_in_one_line(tmp_path: Path) -> None
         SecAggSettings(num_shares=2)
     with pytest.raises(ConfigError, match="must be below secagg-num-shares=3"):
         SecAggSettings(num_shares=3, reconstruction_threshold=3)
-    with pytest.raises(ConfigError, match=r"secagg-clipping-range=0\.0"):
-        SecAggSettings(clipping_range=0.0)
+    with pytest.raises(ConfigError, match=r"secagg-clipping-range=-1\.0"):
+        SecAggSettings(clipping_range=-1.0)
     with pytest.raises(ConfigError, match="overflows the 2\\^32"):
         SecAggSettings(quantization_range=2**30).quantization_for(5)
     with pytest.raises(ConfigError, match="at least 2 clients"):
@@ -157,6 +158,11 @@ def test_a_client_lost_after_sharing_keys_is_unmasked_from_the_survivors(tmp_pat
 def test_uploads_beyond_the_clipping_range_stop_the_run(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"beyond secagg-clipping-range=1e-06 .* raise secagg-clipping-range"):
         secure_run("fedavg", tmp_path, "rounds=1", clipping_range=1e-6)
+
+
+def test_the_automatic_clipping_range_grows_with_the_local_steps() -> None:
+    exp = experiment({"hafedho-config": "smoke", "overrides": "clients.local_steps=10"})
+    assert SecAggSettings().clipping_for(exp) == 64.0 and SecAggSettings(clipping_range=3.0).clipping_for(exp) == 3.0
 
 
 # ---------------------------------------------------------------------------------------------- processes (slow)
