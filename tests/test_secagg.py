@@ -167,38 +167,38 @@ def test_the_automatic_clipping_range_grows_with_the_local_steps() -> None:
 
 # ---------------------------------------------------------------------------------------------- processes (slow)
 
-SECAGG = {"secagg": True, "round-timeout": 60.0, "node-wait": 10.0}
-THREE = ("data.num_clients=3", "sampling.fraction=1.0")
-
-
-def accuracy_of(run_dir: Path) -> float:
-    return float(read_metrics(run_dir)[-1]["test/acc"])
+# SecAgg+ takes 4 message exchanges per round, each a ClientApp process per node: seconds each when idle, up to a
+# minute on a loaded 2-core machine; every stage waits up to round-timeout.
+SECAGG = {"secagg": True, "round-timeout": 300.0, "node-wait": 10.0}
+THREE = ("data.num_clients=3", "sampling.fraction=1.0", "rounds=2")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("alg", ["fedavg", "hafedho"])
 def test_deployment_with_secagg_ends_at_the_plain_model(tmp_path: Path, deployments, alg: str) -> None:
-    """A SuperLink and 3 SuperNodes on 127.0.0.1; the same 3 rounds without and with SecAgg+: the final models
-    differ by the quantisation only (each round's aggregate within its ``secagg/bound`` row entry)."""
+    """A SuperLink and 3 SuperNodes on 127.0.0.1, 2 rounds with SecAgg+: every round aggregates all three clients
+    and the final model is the plain run's (= the simulator's, bit for bit: tests/test_flower.py) up to the
+    quantisation, each round's aggregate within its ``secagg/bound``."""
     d = deployments()
     start_federation(d, 3)
-    plain, secure = tmp_path / "plain", tmp_path / "secagg"
-    overrides = (*THREE, "rounds=3")
-    finish(d, d.run(EXAMPLE, run_config(alg, plain, *overrides)))
-    finish(d, d.run(EXAMPLE, run_config(alg, secure, *overrides, **SECAGG)))
-    exp, _, _ = simulate(alg, tmp_path / "sim", *overrides)
-    a, b = flower_final(plain, exp), flower_final(secure, exp)
-    diff = max_abs_diff(a, b)
-    rel = diff / max(float(v.abs().max()) for v in a.values())
-    bounds = [r["secagg/bound"] for r in read_metrics(secure)]
-    acc = accuracy_of(secure) - accuracy_of(plain)
+    secure = tmp_path / "secagg"
+    finish(d, d.run(EXAMPLE, run_config(alg, secure, *THREE, **SECAGG)), timeout=1200)
+    exp, plain, sim_dir = simulate(alg, tmp_path / "sim", *THREE)
+    final = flower_final(secure, exp)
+    diff = max_abs_diff(plain, final)
+    rel = diff / max(float(v.abs().max()) for v in plain.values())
+    rows, ref = read_metrics(secure), read_metrics(sim_dir)
+    bounds = [r["secagg/bound"] for r in rows]
+    acc = rows[-1]["test/acc"] - ref[-1]["test/acc"]
     print(f"{alg}: SecAgg+ vs plain final max |diff| = {diff:.3g} (rel {rel:.3g}), bounds {bounds}, acc diff {acc}")
-    assert len(bounds) == 3 and all(0 < x < 1e-6 for x in bounds)
-    assert diff <= 1e-4 and abs(acc) <= 0.01
+    assert [r["cohort_size"] for r in rows] == [3, 3] and all(0 < x < 1e-6 for x in bounds)
+    assert diff <= 1e-5 and abs(acc) <= 1 / 180 + 1e-12  # at most one of the 180 test examples
     assert (secure / "done").exists()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_supernode_killed_after_setup_is_unmasked_by_the_survivors(tmp_path: Path, deployments) -> None:
     """Kill -9 a SuperNode in round 2 of 2 once SecAgg+'s setup and key sharing reached it (its third ClientApp
     process of the round, the masked-vector stage): the survivors' shares rebuild its masks, the round completes
@@ -207,7 +207,7 @@ def test_supernode_killed_after_setup_is_unmasked_by_the_survivors(tmp_path: Pat
     d = deployments()
     nodes = start_federation(d, 3)
     run_dir = tmp_path / "flower"
-    overrides = (*THREE, "rounds=2")
+    overrides = THREE
     run_id = d.run(EXAMPLE, run_config("fedavg", run_dir, *overrides, **SECAGG))
     victim, end = nodes[1], time.monotonic() + 400
     while len(read_metrics(run_dir)) < 1:
@@ -223,7 +223,7 @@ def test_supernode_killed_after_setup_is_unmasked_by_the_survivors(tmp_path: Pat
         assert time.monotonic() < end, d.log(run_id)[-4000:]
         time.sleep(0.05)
     victim.stop(kill=True)
-    finish(d, run_id)
+    finish(d, run_id, timeout=1200)
     rows = read_metrics(run_dir)
     assert [r["round"] for r in rows] == [1, 2] and (run_dir / "done").exists()
     assert "dropped" not in rows[0] and rows[1]["dropped"] == [1] and rows[1]["cohort_size"] == 2
