@@ -26,7 +26,7 @@ from test_flower import finish, run_config, start_federation
 from hafedho.config import ConfigError
 from hafedho.core import RoundInfo, WeightedMean, tree
 from hafedho.flower.common import experiment
-from hafedho.flower.secagg import SecAggSettings, SecureRounds, check_algorithm
+from hafedho.flower.secagg import SecAggSettings, SecureRounds, check_algorithm, client_vector
 from hafedho.flower.strategy import HafedhoStrategy
 from hafedho.results import read_metrics
 from hafedho.sim.engines.base import RoundWork
@@ -158,6 +158,14 @@ def test_a_client_lost_after_sharing_keys_is_unmasked_from_the_survivors(tmp_pat
 def test_uploads_beyond_the_clipping_range_stop_the_run(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"beyond secagg-clipping-range=1e-06 .* raise secagg-clipping-range"):
         secure_run("fedavg", tmp_path, "rounds=1", clipping_range=1e-6)
+
+
+def test_entries_outside_the_range_or_not_finite_are_counted() -> None:
+    upload = {"w": torch.tensor([float("nan"), 3.0, -20.0, 1.0])}
+    vec, outside = client_vector(upload, torch.tensor(2.0), 4.0, 8.0)  # s = 1/2: entries nan, 1.5, -10, 0.5
+    assert outside == 2 and vec[0].tolist() == [0.5] and vec[1][1:].tolist() == [1.5, -10.0, 0.5]
+    with pytest.raises(ConfigError, match="exceeds the federation's largest"):
+        client_vector(upload, torch.tensor(5.0), 4.0, 8.0)
 
 
 def test_the_automatic_clipping_range_grows_with_the_local_steps() -> None:

@@ -174,7 +174,7 @@ def weight_scale(exp: Experiment) -> float:
 
 
 def client_vector(upload: Any, weight: torch.Tensor, scale: float, clip: float) -> tuple[list[np.ndarray], int]:
-    """``[s_i, s_i u_i leaves...]`` in float64 (s_i = w_i / K) and the number of its entries beyond [-c, c]."""
+    """``[s_i, s_i u_i leaves...]`` in float64 (s_i = w_i / K) and the number of its entries outside [-c, c]."""
     s = float(weight) / scale
     if not 0.0 <= s <= 1.0 + 1e-9:
         raise ConfigError(
@@ -185,7 +185,7 @@ def client_vector(upload: Any, weight: torch.Tensor, scale: float, clip: float) 
     vec = [np.array([s])] + [
         s * leaf.detach().double().cpu().numpy().reshape(-1) for leaf in pytree.tree_leaves(upload)
     ]
-    return vec, int(sum(int((np.abs(v) > clip).sum()) for v in vec))
+    return vec, int(sum(int((~(np.abs(v) <= clip)).sum()) for v in vec))  # NaN counts: it is not in [-c, c]
 
 
 def broadcast_record(msg: Message) -> ArrayRecord:
@@ -348,8 +348,8 @@ class SecureRounds:
         clipped = sum(int(m.get(CLIPPED, 0)) for m in by_cid.values())
         if clipped:
             raise ConfigError(
-                f"round {t}: {clipped} upload entries lie beyond secagg-clipping-range={self.clip:g} and SecAgg+ "
-                "would clip them; raise secagg-clipping-range"
+                f"round {t}: {clipped} upload entries lie beyond secagg-clipping-range={self.clip:g} (or are not "
+                "finite) and SecAgg+ would clip them; raise secagg-clipping-range (or lower algorithm.lr)"
             )
         vector = parameters_to_ndarrays(shim.results[0][1].parameters)
         aggregate, mean_s = aggregate_of(vector, st.upload_like[0])
