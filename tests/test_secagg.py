@@ -19,7 +19,7 @@ pytest.importorskip("flwr")
 
 import test_flower
 from flower_helpers import LocalGrid, flower_final, max_abs_diff, simulate, simulate_with_drops
-from flwr.app import Context, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from test_flower import finish, run_config, start_federation
 
@@ -37,10 +37,16 @@ deployments = test_flower.deployments  # the Flower tests' fixture: processes en
 
 class WireGrid(LocalGrid):
     """A LocalGrid that hands each node its own copy of a message, as the wire does (SecAgg+'s workflow sends one
-    content object to every node and flwr's mod edits it in place)."""
+    content object to every node and flwr's mod edits it in place), and answers a failing ClientApp with an error."""
 
     def send_and_receive(self, messages, *, timeout=None):
-        return super().send_and_receive([copy.deepcopy(m) for m in messages], timeout=timeout)
+        replies = []
+        for msg in messages:
+            try:
+                replies += super().send_and_receive([copy.deepcopy(msg)], timeout=timeout)
+            except Exception as e:  # a SuperNode turns a failing ClientApp into an error reply
+                replies.append(Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=msg))
+        return replies
 
 
 class DroppingGrid(WireGrid):
@@ -243,3 +249,18 @@ def test_supernode_killed_after_setup_is_unmasked_by_the_survivors(tmp_path: Pat
         f"{[r['secagg/bound'] for r in rows]}"
     )
     assert diff <= 2 * sum(r["secagg/bound"] for r in rows) + 1e-6
+
+
+def test_a_client_lost_before_sharing_keys_leaves_the_round_empty(tmp_path: Path) -> None:
+    """flwr 1.42's unmask stage needs shares of every sampled client's secrets: a client lost at key sharing has
+    none, so SecAgg+ halts; the round aggregates nothing (the server state stays) and the row says so."""
+    overrides = ("data.num_clients=4", "sampling.cohort_size=3", "rounds=1")
+    rc = {"hafedho-config": "smoke", "overrides": " ".join(["algorithm.name=fedavg", *overrides])}
+    exp = experiment(rc)
+    cohort = exp.cohort(1).tolist()
+    grid = DroppingGrid(rc, exp.fed.num_clients, {cohort[0]}, Stage.SHARE_KEYS)
+    strategy, _ = secure_run("fedavg", tmp_path, *overrides, grid=grid)
+    row = read_metrics(tmp_path / "flower")[0]
+    assert row["cohort_size"] == 0 and row["dropped"] == sorted(cohort) and "secagg/bound" not in row
+    init = exp.alg.eval_params(exp.alg.init_server(exp.model.params()))
+    assert max(float((strategy.final_params()[k] - init[k]).abs().max()) for k in init) == 0.0
