@@ -35,6 +35,11 @@ RUN_CONFIG: tuple[Setting, ...] = (
     Setting("node-wait", 120.0, "seconds (from round 1) a round waits for its cohort's SuperNodes to connect"),
     Setting("force", False, "replace an existing run directory"),
     Setting("torch-threads", 0, "> 0: torch.set_num_threads on the server and the clients"),
+    Setting("secagg", False, "SecAgg+: the server sees only the sum of the uploads (weighted-sum algorithms)"),
+    Setting("secagg-num-shares", 0, "SecAgg+ shares of each client's secrets; 0 = the whole cohort"),
+    Setting("secagg-reconstruction-threshold", 0, "shares that rebuild a dropped client's mask; 0 = 2/3, >= 2"),
+    Setting("secagg-clipping-range", 0.0, "c: bound on each upload entry (scaled by w_i/K); 0 = 2^ceil(log2 4*lambda)"),
+    Setting("secagg-quantization-range", 0, "Q levels over [-c, c]; 0 = the largest 2^k <= 2^30 with m*Q < 2^32"),
 )
 RUN_CONFIG_DEFAULTS: dict[str, str | float | int | bool] = {s.key: s.default for s in RUN_CONFIG}
 

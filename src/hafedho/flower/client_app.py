@@ -10,6 +10,7 @@ Messages (record keys):
     query     in: -                                 out: ``hafedho`` {partition-id, num-partitions}
     train     in: ``broadcast``, ``config``          out: ``upload`` (leaves of (upload, weight)), ``metrics``,
                                                           ``hafedho`` {partition-id, server-round}
+              under SecAgg+ (``flower/secagg.py``): FitIns in, a FitRes-shaped reply that flwr's mod masks
     evaluate  in: ``server``, ``config``             out: ``metrics`` {correct, total} of the personal model
 """
 
@@ -24,7 +25,7 @@ from flwr.clientapp import ClientApp
 from hafedho.config import ConfigError
 from hafedho.core import RoundInfo, tree
 from hafedho.experiment import Experiment
-from hafedho.flower import codec
+from hafedho.flower import codec, secagg
 from hafedho.flower.common import (
     DATA_PATH,
     META_KEY,
@@ -41,7 +42,7 @@ from hafedho.flower.common import (
 from hafedho.rounds import client_accuracy
 from hafedho.sim.engines.base import RoundWork
 
-app = ClientApp()
+app = ClientApp(mods=[secagg.client_mod])  # SecAgg+ messages only; the rest pass straight through
 
 
 def _experiment(context: Context) -> Experiment:
@@ -86,17 +87,22 @@ def train(msg: Message, context: Context) -> Message:
     """One round of the algorithm's client update, as the simulator runs it."""
     exp = _experiment(context)
     alg, fed, model, cfg = exp.alg, exp.fed, exp.model, exp.cfg
-    config = msg.content.config_records["config"]
+    fit = secagg.FITINS_PARAMS in msg.content.array_records  # SecAgg+'s stage 2 carries the legacy FitIns
+    config = msg.content.config_records[secagg.FITINS_CONFIG if fit else "config"]
     cid, n = _check(exp, context, config)
     t = int(config["server-round"])
     rnd = RoundInfo(t, n, int(config["cohort-size"]))
-    bmsg = codec.decode(msg.content.array_records["broadcast"], broadcast_template(exp))
+    record = secagg.broadcast_record(msg) if fit else msg.content.array_records["broadcast"]
+    bmsg = codec.decode(record, broadcast_template(exp))
     state = _client_state(exp, context)
     model.train()
     work = RoundWork(alg, bmsg, fed, exp.plan, model, rnd, cfg.seed)  # the simulator's seeded client step
     res = work.client_update(cid, state, client_info(exp, cid, context.node_config))
     context.state[STATE_KEY] = codec.encode(tree.detach(res.state))
     weight = torch.as_tensor(res.weight).detach()
+    if fit:
+        metrics = {k: float(v) for k, v in res.metrics.items()}
+        return Message(secagg.fit_reply(tree.detach(res.upload), weight, config, metrics, cid), reply_to=msg)
     content = RecordDict(
         {
             "upload": codec.encode((tree.detach(res.upload), weight)),

@@ -73,6 +73,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="> 0: torch threads of the server and each client",
     )
     r.add_argument("--force", action="store_true", help="replace an existing run directory")
+    r.add_argument("--secagg", action="store_true", help="SecAgg+ secure aggregation (docs/flower.md)")
+    for key in ("secagg-num-shares", "secagg-reconstruction-threshold", "secagg-clipping-range"):
+        r.add_argument(f"--{key}", type=type(rc[key]), default=rc[key], help=f"see docs/flower.md (default {rc[key]})")
+    r.add_argument(
+        "--secagg-quantization-range", type=int, default=rc["secagg-quantization-range"], help="0 = automatic"
+    )
     r.add_argument("--app", help="Flower App folder (default: a generated one naming hafedho's apps)")
     r.add_argument("--wait", action="store_true", help="wait for the run to finish and print its log")
     return p
@@ -147,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         "node-wait": args.node_wait,
         "force": args.force,
         "torch-threads": args.torch_threads,
+        **{k: getattr(args, k.replace("-", "_")) for k in RUN_CONFIG_DEFAULTS if k.startswith("secagg")},
     }
     home = Path(tempfile.mkdtemp(prefix="hafedho-flwr-"))
     deploy.write_flwr_config(home, args.superlink, args.root_cert)

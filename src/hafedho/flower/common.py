@@ -119,8 +119,9 @@ def client_template(exp: Experiment) -> Any:
     return exp.alg.init_client(exp.model.params())
 
 
-def upload_template(exp: Experiment) -> tuple[Any, Tensor]:
-    """``(upload, weight)`` of one client update on all-padding data: the structure, dtypes and shapes of a reply.
+def upload_template(exp: Experiment, info: ClientInfo | None = None) -> tuple[Any, Tensor]:
+    """``(upload, weight)`` of one client update on all-padding data: the structure, dtypes and shapes of a reply
+    (and the weight of a client with ``info``, default client 0's).
 
     An all-padding step is a no-op by the runtime contract, so this costs one gradient of a single masked
     example and touches no global random state.
@@ -132,7 +133,7 @@ def upload_template(exp: Experiment) -> tuple[Any, Tensor]:
     data = ClientData(x, torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1)))
     data = data._replace(full=data) if alg.needs_full_pass else data  # an all-padding full pass too
     with torch.random.fork_rng():
-        res = alg.client_update(msg, client_template(exp), data, fed.client_info(0), rnd, model)
+        res = alg.client_update(msg, client_template(exp), data, info or fed.client_info(0), rnd, model)
     return tree.detach(res.upload), torch.as_tensor(res.weight).detach()
 
 

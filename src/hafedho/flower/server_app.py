@@ -14,6 +14,7 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from hafedho.flower.common import experiment, run_setting, set_threads
+from hafedho.flower.secagg import SecAggSettings, SecureRounds
 from hafedho.flower.strategy import HafedhoStrategy
 
 app = ServerApp()
@@ -28,7 +29,14 @@ def main(grid: Grid, context: Context) -> None:
     timeout = float(run_setting(rc, "round-timeout"))
     node_wait = float(run_setting(rc, "node-wait"))
     strategy = HafedhoStrategy(exp, run_dir, node_wait=node_wait, query_timeout=min(timeout, 120.0))
+    settings = SecAggSettings.from_run_config(rc)
+    secure = SecureRounds(strategy, settings, timeout) if settings is not None else None  # refuses before any file
     strategy.prepare(force=bool(run_setting(rc, "force")))
+    if secure is not None:
+        secure.start(grid, context)
+        strategy.finish()
+        log(INFO, "hafedho: %d rounds (SecAgg+) written to %s", len(strategy.rows), Path(run_dir).resolve())
+        return
     strategy.start(
         grid,
         strategy.initial_arrays(),

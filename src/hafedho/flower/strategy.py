@@ -37,7 +37,7 @@ from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, digest, upload_template
 from hafedho.rounds import ServerRounds, pooled_accuracy, run_facts
 from hafedho.rundir import RunDir
-from hafedho.sim.engines.base import CohortStream
+from hafedho.sim.engines.base import CohortResult, CohortStream
 
 
 class HafedhoStrategy(Strategy):
@@ -230,11 +230,16 @@ class HafedhoStrategy(Strategy):
         if len(used) < len(cohort):
             extra = {"sampled": len(cohort), "dropped": sorted(set(cohort) - set(used))}
             log(WARNING, "round %d: aggregated %d of %d clients", server_round, len(used), len(cohort))
-        reached = self._round.get("reached", 0)
-        row = self.rounds.finish_round(server_round, stream.result(), len(used), reached, **extra)
-        self._round["row"] = row
+        row = self.finish_train(server_round, stream.result(), len(used), self._round.get("reached", 0), **extra)
         numeric = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         return codec.encode(self.server), MetricRecord(numeric)
+
+    def finish_train(self, server_round: int, out: CohortResult, used: int, reached: int, **extra: Any) -> dict:
+        """``ServerRounds.finish_round`` on the round's aggregate (plain, or SecAgg+'s in ``flower/secagg.py``);
+        the row waits for ``evaluate_global``."""
+        row = self.rounds.finish_round(server_round, out, used, reached, **extra)
+        self._round["row"] = row
+        return row
 
     # ----------------------------------------------------------------- evaluate
 
