@@ -46,7 +46,8 @@ def test_run_uses_its_threads_and_restores_the_callers(
     torch.set_num_threads(3)
     try:
         runner.run(build(smoke_config(tmp_path, f"threads={threads}")), tmp_path / "run", progress=False)
-        assert spy == [expected, expected] and torch.get_num_threads() == 3
+        # 3 evaluations: the initial model's loss (the early blow-up guard) and the 2 evaluation rounds
+        assert spy == [expected] * 3 and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(1)  # as conftest sets it
 
