@@ -75,4 +75,4 @@ def test_sweep_with_one_job_follows_the_rule_of_many(
     ]
     result = sweep.run_sweep(specs, jobs=1, progress=False)
     assert [o.status for o in result.outcomes] == ["done", "done"]
-    assert spy == [2, 1] and torch.get_num_threads() == 1
+    assert spy == [2, 2, 1, 1] and torch.get_num_threads() == 1  # the initial loss, then round 1, per run
