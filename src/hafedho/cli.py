@@ -104,7 +104,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.dry_run:
         for s in specs:
             point = ", ".join(f"{k}={v}" for k, v in s.point.items())
-            print(f"{run_status(s.run_dir):11s} {s.name}  [{point}]")
+            print(f"{run_status(s.run_dir, s.cfg.rounds):11s} {s.name}  [{point}]")
         print(f"{len(specs)} runs of {preset.name} ({preset.scale}) in {out}")
         return 0
     backend = _sweep_backend(args)

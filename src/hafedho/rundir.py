@@ -114,6 +114,13 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> bo
             )
         if is_finished(run_dir, cfg.rounds, rows):
             return True
+        if have and (run_dir / "done").exists() and not (run_dir / "checkpoint.pt").exists():
+            # A committed run keeps only its small files: continuing from round 1 would overwrite its metrics.
+            raise RunDirError(
+                f"{run_dir} finished {have} rounds and has no checkpoint.pt (committed runs keep only their small "
+                f"files), so it cannot be extended to {cfg.rounds}: restore its checkpoint.pt, or recompute it "
+                "from round 1 with --force (or by deleting the directory)"
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
     return False

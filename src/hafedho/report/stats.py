@@ -91,3 +91,41 @@ def rounds_stat(group: Group, metric: str, target: float) -> Stat:
     ended = [r for r in group.ended() if r.evals(metric)]
     hits = [rounds_to(r.evals(metric), target) for r in ended]
     return Stat([float(h) for h in hits if h is not None], len(ended), len(group.diverged()))
+
+
+# "Has this curve flattened?" (issue #13, item 6): the least-squares slope of the seed-mean curve over the last
+# FLAT_WINDOW of its rounds, in points per 100 rounds; flattened when its magnitude is below FLAT_SLOPE.
+FLAT_WINDOW = 0.2
+FLAT_SLOPE = 1.0
+
+
+@dataclass
+class Trend:
+    """Slope (percentage points per 100 rounds) of the seed-mean curve over its last rounds, its standard error,
+    and how many evaluations it was fitted on."""
+
+    slope: float
+    se: float
+    evals: int
+
+    @property
+    def flat(self) -> bool:
+        return abs(self.slope) < FLAT_SLOPE
+
+
+def trend(group: Group, metric: str) -> Trend | None:
+    """``Trend`` of the mean over finished seeds of ``metric`` (x 100), on the rounds every seed evaluated, fitted
+    over rounds ``t > (1 - FLAT_WINDOW) * T`` (T = the last of them); None below 3 evaluations there."""
+    series = [dict(r.evals(metric)) for r in group.finished()]
+    series = [s for s in series if s]
+    if not series:
+        return None
+    rounds = sorted(set.intersection(*(set(s) for s in series)))
+    t = np.array([r for r in rounds if rounds and r > (1 - FLAT_WINDOW) * rounds[-1]], dtype=float)
+    if len(t) < 3:
+        return None
+    y = np.array([np.mean([s[int(r)] for s in series]) for r in t]) * 100
+    slope, icept = np.polyfit(t, y, 1)
+    resid = y - (slope * t + icept)
+    se = math.sqrt(float(resid @ resid) / (len(t) - 2) / float(((t - t.mean()) ** 2).sum()))
+    return Trend(float(slope) * 100, se * 100, len(t))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from hafedho.config import ConfigError
 from hafedho.report.layout import TWIN_NAME, Layout, pct
-from hafedho.report.stats import Stat, accuracy_stat, horizon_note, no_data_note
+from hafedho.report.runs import Group, Section
+from hafedho.report.stats import FLAT_SLOPE, FLAT_WINDOW, Stat, accuracy_stat, horizon_note, no_data_note, trend
 from hafedho.report.table import Cell, Table
 
 
@@ -26,6 +28,29 @@ def _acc_cell(stat: Stat, seeds: int) -> str:
     return text
 
 
+def _flattened(s: Section) -> bool:
+    """``[report] flattened = true``: the final table gets a "flattened" column after each setting."""
+    on = s.report.get("flattened", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"{s.name}: report.flattened = {on!r}: must be true or false")
+    return on
+
+
+def _flat_cell(g: Group | None, s: Section) -> Cell:
+    """``yes (+0.3 ± 0.4)`` / ``no (+5.1 ± 0.6)``: the slope in points per 100 rounds ± its standard error."""
+    tr = trend(g, s.metric) if g is not None else None
+    if tr is None:
+        return Cell("—")
+    return Cell(f"{'yes' if tr.flat else 'no'} ({tr.slope + 0.0:+.1f} ± {tr.se:.1f})")
+
+
+FLAT_NOTE = (
+    f"flattened = |slope| < {FLAT_SLOPE:g} points per 100 rounds, the slope (± its standard error) of a "
+    f"least-squares line through the seed-mean curve over the last {FLAT_WINDOW:.0%} of its rounds (— below 3 "
+    "evaluations there)"
+)
+
+
 def accuracy_tables(lay: Layout) -> list[Table]:
     """Final and best accuracy: rows x columns, mean ± std over seeds, best competitor per column in bold,
     and HaFedHo's lead over the best baseline. With a single column, one table with a seeds column."""
@@ -35,6 +60,7 @@ def accuracy_tables(lay: Layout) -> list[Table]:
         what += f"; {extra}" if extra else ""
     final_def = f"final = mean of the last {s.last} evaluations"
     twin_note = _twin_note(lay)
+    flat = _flattened(s)
     if len(lay.columns) == 1:
         col = lay.columns[0]
         stats = {
@@ -50,15 +76,22 @@ def accuracy_tables(lay: Layout) -> list[Table]:
                 Cell(str(len(v[0].runs))),
                 Cell(_acc_cell(v[1], lay.seeds), r in best),
                 Cell(_acc_cell(v[2], lay.seeds), r in best_b),
+                *([_flat_cell(v[0], s)] if flat else []),
             ]
             for r, v in stats.items()
         ]
         header = ["algorithm", "seeds", f"final {s.metric_label} (%, mean of last {s.last} evals)", "best (%)"]
+        header += ["flattened (slope, pp/100 rounds)"] if flat else []
         title = f"{s.title}: {lay.col_name(col)}" if lay.col_keys else s.title
-        return [Table("final", title, header, rows + _lead_rows(lay, [col], "final"), what + twin_note)]
+        lead = [row + [Cell("")] * flat for row in _lead_rows(lay, [col], "final")]
+        note = f"{what}; {FLAT_NOTE}" if flat else what
+        return [Table("final", title, header, rows + lead, note + twin_note)]
     tables = []
     for kind, label in (("final", "Final"), ("best", "Best")):
-        header = ["algorithm", *(lay.col_name(c) for c in lay.columns)]
+        with_flat = flat and kind == "final"  # after each setting's column: has that curve flattened?
+        header = ["algorithm"]
+        for c in lay.columns:
+            header += [lay.col_name(c), *([f"{lay.col_name(c)}: flattened"] if with_flat else [])]
         rows = []
         best = {}
         for ci, col in enumerate(lay.columns):
@@ -73,15 +106,24 @@ def accuracy_tables(lay: Layout) -> list[Table]:
                     if g
                     else Cell("")
                 )
+                if with_flat:
+                    cells.append(_flat_cell(g, s) if g else Cell(""))
             rows.append(cells)
-        rows += _lead_rows(lay, lay.columns, kind)
+        for lead in _lead_rows(lay, lay.columns, kind):
+            rows.append(_with_blanks(lead, len(lay.columns)) if with_flat else lead)
         note = f"{what}; {final_def}" if kind == "final" else what
+        note += f"; {FLAT_NOTE}" if with_flat else ""
         if hyper_note := lay.column_hyper_note():
             note += f"; {hyper_note}"
         if kind == "final":
             note += twin_note
         tables.append(Table(kind, f"{label} {s.metric_label}: {s.title}", header, rows, note))
     return tables
+
+
+def _with_blanks(row: list[Cell], columns: int) -> list[Cell]:
+    """A lead row in a table with a flattened column after each of ``columns`` settings: a blank there."""
+    return [row[0], *(c for v in row[1 : columns + 1] for c in (v, Cell("")))]
 
 
 def _best(stats: dict, lay: Layout, key: Any) -> set:
