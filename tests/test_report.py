@@ -543,3 +543,24 @@ def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
     assert twin_points(lay, "hafedho", "accumulate", lay.columns[0]) == {}
     figures = {f.name for f in write_report(root, root / "rep").figures}
     assert {"hafedho_vs_mu.png", "hafedho-twin_vs_beta.png"} <= figures
+
+
+def test_a_run_extended_by_another_preset_reads_at_its_sweeps_horizon(tmp_path: Path) -> None:
+    """rounds is a horizon, not identity: a 30-round table's run later extended to 300 by converge (here 3 -> 6),
+    or stopped after the horizon (diverged at 6, interrupted at 5), reads as it was at round 3, finished."""
+    runs = []
+    for name, status, accs in (
+        ("ext", "done", [0.1, 0.2, 0.3, 0.9, 0.9, 0.9]),
+        ("div", "diverged", [0.1, 0.2, 0.4, 0.9, 0.9]),
+        ("cut", "incomplete", [0.1, 0.2, 0.5, 0.9, 0.9]),
+        ("short", "diverged", [0.1, 0.2]),
+    ):
+        make_run(tmp_path, name, "fedavg", 0, accs, status=status, data={"q": {"ext": 0.1, "div": 0.2}.get(name, 0.5)})
+        runs.append({"dir": name, "label": name, "seed": 0, "point": {}, "rounds": 3})
+    write_index(tmp_path, "t", runs, {"last": 1}, [])
+    (section,) = load_sections(tmp_path)
+    by = {g.label: g.runs[0] for g in section.groups}
+    assert [len(by[k].rows) for k in ("ext", "div", "cut")] == [3, 3, 3]
+    assert [by[k].status for k in ("ext", "div", "cut", "short")] == ["done", "done", "done", "diverged"]
+    assert [by[k].evals("test/acc")[-1][1] for k in ("ext", "div", "cut")] == [0.3, 0.4, 0.5]
+    assert by["ext"].config["rounds"] == 3

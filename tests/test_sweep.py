@@ -276,8 +276,10 @@ def test_sweep_skips_done_resumes_interrupted_keeps_diverged(tmp_path: Path) -> 
         "seed": 0,
         "point": {"algorithm.name": "fedavg"},
         "reference": False,
+        "rounds": f0.cfg.rounds,
     }
-    assert read_index(index).runs[2] == IndexEntry(f0.name, "fedavg", 0, {"algorithm.name": "fedavg"}, False)
+    entry = IndexEntry(f0.name, "fedavg", 0, {"algorithm.name": "fedavg"}, False, f0.cfg.rounds)
+    assert read_index(index).runs[2] == entry
     md = write_report(preset.out).markdown.read_text()
     assert "diverged (1/2)" not in md and "| diverged | 1 |" in md
 

@@ -159,6 +159,19 @@ def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
         return {}
 
 
+def at_horizon(run: Run, rounds: int | None) -> Run:
+    """``run`` as its sweep asked for it: its rows up to the sweep's horizon ``rounds``. ``rounds`` is not part of
+    a run's identity, so another preset may have extended the run since (converge's 300 rounds of table1's
+    30-round runs); it then reads as it was at the horizon, finished if it got there."""
+    if not rounds or not run.rows or int(run.rows[-1]["round"]) < rounds:
+        return run
+    run.rows = [r for r in run.rows if int(r["round"]) <= rounds]
+    run.config = {**run.config, "rounds": rounds}
+    if run.status in ("incomplete", "diverged"):  # stopped after the horizon: at the horizon it was fine
+        run.status, run.message = "done", ""
+    return run
+
+
 def read_run(run_dir: Path) -> Run:
     """One run directory; ``missing`` when it has no config yet (a sweep's run that never started)."""
     cfg_path = run_dir / "config.toml"
@@ -230,7 +243,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
     axes = [a for a in index.axes if a not in set(index.row_axes) and not is_runtime(a)]
     runs, used = [], set()
     for entry in index.runs:
-        run = read_run(base / entry.dir)
+        run = at_horizon(read_run(base / entry.dir), entry.rounds)
         used.add(run.dir.resolve())
         run.label, run.reference = entry.label if entry.label is not None else run.label, entry.reference
         run.setting = {k: freeze(v) for k, v in entry.point.items() if k in axes}

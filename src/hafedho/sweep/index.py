@@ -33,6 +33,7 @@ class IndexEntry:
     seed: int | None = None
     point: dict[str, Any] = field(default_factory=dict)
     reference: bool = False
+    rounds: int | None = None  # the sweep's horizon for this run: the report reads its rows up to it (None: all)
 
 
 @dataclass
@@ -87,6 +88,7 @@ def read_index(path: Path) -> SweepIndex:
                 seed=e.get("seed"),
                 point=dict(e.get("point", {})),
                 reference=bool(e.get("reference", False)),
+                rounds=e.get("rounds"),
             )
             for e in data.get("runs", [])
         ],
@@ -106,7 +108,11 @@ def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: d
         axes=list(preset.grid),
         row_axes=row_axes(preset),
         report=preset.report,
-        runs=[IndexEntry(s.name, lab, s.seed, s.point, s.reference) for s in specs for lab in (s.label, *s.aliases)],
+        runs=[
+            IndexEntry(s.name, lab, s.seed, s.point, s.reference, s.cfg.rounds)
+            for s in specs
+            for lab in (s.label, *s.aliases)
+        ],
         failed=failed or {},
         twins=preset.twins,
         notes=list(dict.fromkeys(s.note for s in specs if s.note)),  # one line per cell, not per seed
