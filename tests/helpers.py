@@ -26,3 +26,23 @@ def run_smoke(out: Path, *args: str) -> int:
 def no_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Metrics rows without ``wall_s``: the one column that differs between identical runs."""
     return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+
+
+# The smoke setting (digits, 10 clients, logreg) as a preset's [base.*] tables, for the test presets written by hand.
+SMOKE_PRESET_TABLES = """
+[base.data]
+source = "digits"
+partition = "dirichlet"
+q = 0.5
+num_clients = 10
+
+[base.clients]
+local_steps = 3
+batch_size = 16
+
+[base.sampling]
+fraction = 0.3
+
+[base.model]
+name = "logreg"
+"""

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import no_wall
+from helpers import SMOKE_PRESET_TABLES, no_wall
 
 from hafedho.cli import main
 from hafedho.report.build import write_report
@@ -32,22 +32,7 @@ checkpoint_every = 1
 engine = "loop"
 client_store = "disk"  # so the run writes client_store/ and store_rT/ snapshots too (the full-scale case)
 
-[base.data]
-source = "digits"
-partition = "dirichlet"
-q = 0.5
-num_clients = 10
-
-[base.clients]
-local_steps = 3
-batch_size = 16
-
-[base.sampling]
-fraction = 0.3
-
-[base.model]
-name = "logreg"
-
+{smoke}
 [base.algorithm]
 name = "scaffold"  # per-client control variates: a client store
 lr = 0.1
@@ -66,7 +51,7 @@ def swept(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(preset file, its sweep folder) after one sweep: one run done, one diverged, checkpoints still there."""
     tmp = tmp_path_factory.mktemp("committed")
     preset = tmp / "committed.toml"
-    preset.write_text(PRESET.format(out=tmp / "runs"))
+    preset.write_text(PRESET.format(out=tmp / "runs", smoke=SMOKE_PRESET_TABLES))
     assert main(["sweep", str(preset), "--quiet"]) == 0
     out = tmp / "runs-cpu"
     markers = sorted(p.name for p in out.glob("*/done")) + sorted(p.name for p in out.glob("*/diverged"))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMOKE
+from helpers import SMOKE, SMOKE_PRESET_TABLES
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml, load_config
@@ -36,22 +36,7 @@ eval_every = 1
 checkpoint_every = 1
 engine = "loop"
 
-[base.data]
-source = "digits"
-partition = "dirichlet"
-q = 0.5
-num_clients = 10
-
-[base.clients]
-local_steps = 3
-batch_size = 16
-
-[base.sampling]
-fraction = 0.3
-
-[base.model]
-name = "logreg"
-
+{smoke}
 [base.algorithm]
 name = "hafedho"
 lr = 0.1
@@ -63,7 +48,7 @@ lr = 0.1
 
 def tiny(tmp: Path, grid: str = '"algorithm.name" = ["hafedho", "fedavg"]', extra: str = "") -> Path:
     path = tmp / "tiny.toml"
-    path.write_text(TINY.format(out=tmp / "runs", grid=grid) + extra)
+    path.write_text(TINY.format(out=tmp / "runs", grid=grid, smoke=SMOKE_PRESET_TABLES) + extra)
     return path
 
 
