@@ -74,6 +74,24 @@ def _curve(runs: list[Run], metric: str) -> tuple[list[int], np.ndarray] | None:
     return rounds, np.array([[s[t] for t in rounds] for s in series]) * 100
 
 
+def _band(ax: Any, lay: Layout, r: tuple, g: Any, metric: str, color: Any, scale: float = 1.0, **kw: Any) -> None:
+    """One row's ``metric`` per round in one panel: the mean over its finished seeds with a ±1 std band (``scale``
+    times ``_curve``'s percent); a row whose every seed diverged is drawn dashed up to the divergence, a
+    reference dotted."""
+    runs, style = g.finished(), "-"
+    if not runs:
+        runs, style = g.diverged(), "--"
+    curve = _curve(runs, metric)
+    if curve is None or not curve[0]:
+        return
+    rounds, vals = curve[0], curve[1] * scale
+    mean, std = vals.mean(0), vals.std(0)
+    name = lay.row_name(r) + (" (diverged)" if style == "--" else "")
+    ax.plot(rounds, mean, ":" if lay.is_reference(r) else style, color=color, label=name, lw=1.4, **kw)
+    if len(vals) > 1:
+        ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.15, lw=0)
+
+
 def section_curves(lay: Layout, out: str | Path) -> Path | None:
     """Test metric per round, one panel per setting, one line per row: mean over finished seeds with a ±1 std
     band. Rows whose every seed diverged are drawn dashed up to the divergence."""
@@ -87,19 +105,7 @@ def section_curves(lay: Layout, out: str | Path) -> Path | None:
             g = lay.group_at(r, col)
             if g is None:
                 continue
-            runs, style = g.finished(), "-"
-            if not runs:
-                runs, style = g.diverged(), "--"
-            curve = _curve(runs, s.metric)
-            if curve is None or not curve[0]:
-                continue
-            rounds, acc = curve
-            name = lay.row_name(r) + (" (diverged)" if style == "--" else "")
-            mean, std = acc.mean(0), acc.std(0)
-            ls = ":" if lay.is_reference(r) else style
-            ax.plot(rounds, mean, ls, color=colors[r], label=name, lw=1.4)
-            if len(acc) > 1:
-                ax.fill_between(rounds, mean - std, mean + std, color=colors[r], alpha=0.15, lw=0)
+            _band(ax, lay, r, g, s.metric, colors[r])
         ax.set_title(lay.col_name(col) if lay.col_keys else s.title, fontsize=9)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -259,17 +265,7 @@ def diagnostic_curves(lay: Layout, out: str | Path) -> Path | None:
                 g = lay.group_at(r, col)
                 if g is None:
                     continue
-                runs, style = g.finished(), "-"
-                if not runs:
-                    runs, style = g.diverged(), "--"
-                curve = _curve(runs, metric)
-                if curve is None or not curve[0]:
-                    continue
-                rounds, vals = curve[0], curve[1] / 100  # _curve gives percent
-                mean, std = vals.mean(0), vals.std(0)
-                ax.plot(rounds, mean, style, color=colors[r], label=lay.row_name(r), lw=1.4, marker=".", ms=3)
-                if len(vals) > 1:
-                    ax.fill_between(rounds, mean - std, mean + std, color=colors[r], alpha=0.15, lw=0)
+                _band(ax, lay, r, g, metric, colors[r], scale=0.01, marker=".", ms=3)  # _curve gives percent
             if i == 0:
                 ax.set_title(lay.col_name(col) if lay.col_keys else lay.section.title, fontsize=9)
             ax.set_ylabel(label, fontsize=8)
