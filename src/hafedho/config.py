@@ -173,6 +173,17 @@ def experiment_identity(cfg: Config) -> dict[str, Any]:
     return ident
 
 
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested table as dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (the inverse of the dotted overrides)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def canonical_json(d: Any) -> str:
     """One text per value: sorted keys, no whitespace, ASCII (so hashes never depend on the process)."""
     return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)

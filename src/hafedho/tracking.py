@@ -28,7 +28,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from hafedho.config import Config, ConfigError, experiment_hash
+from hafedho.config import Config, ConfigError, experiment_hash, flatten
 from hafedho.results import RunDirError, make_folder, read_metrics, write_json
 
 STATE_FILE = "tracking.json"
@@ -55,15 +55,9 @@ def numeric(row: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}`` (lists and strings as JSON)."""
-    out: dict[str, str] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, str) else json.dumps(v)
-    return out
+def params_of(d: dict[str, Any]) -> dict[str, str]:
+    """A config as MLflow params: dotted keys (``config.flatten``), values as text (non-strings as JSON)."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in flatten(d).items()}
 
 
 class Tracking:
@@ -241,7 +235,7 @@ class _MLflow:
 
     def _params(self, cfg: Config, facts: dict[str, str]) -> dict[str, str]:
         keep = ("run_name", "partition_hash", "experiment_hash")
-        params = {**flatten(cfg.to_dict()), **{k: facts[k] for k in keep}}
+        params = {**params_of(cfg.to_dict()), **{k: facts[k] for k in keep}}
         return {k: v[:6000] for k, v in params.items()}  # MLflow's longest param; config.toml is the description
 
     def _create(self, name: str, run_dir: Path, facts: dict[str, str]) -> Any:

@@ -24,6 +24,7 @@ from hafedho.config import (
     canonical_json,
     config_from_table,
     experiment_identity,
+    flatten,
     read_toml,
 )
 from hafedho.results import read_metrics
@@ -135,16 +136,6 @@ class Section:
 
     def names(self) -> dict[str, str]:
         return dict(self.report.get("names", {}))
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
