@@ -402,3 +402,11 @@ def test_ctrl_c_stops_a_parallel_sweep_and_its_workers(tmp_path: Path) -> None:
     while time.monotonic() < deadline and [w for w in workers if is_running(w)]:  # end on their own, soon after
         time.sleep(0.1)
     assert not [w for w in workers if is_running(w)]
+
+
+def test_dry_run_says_which_cells_have_no_twin_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """fig3's gradient-rectification cells and its mu = 0.1 cell (lambda*mu = 1) have no momentum twin."""
+    assert main(["sweep", "fig3", "--dry-run"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert any('gradient rectification (accumulate = "f")' in n for n in notes)
+    assert any("lambda*mu = 10*0.1 = 1 >= 1" in n for n in notes) and len(notes) == len(set(notes))

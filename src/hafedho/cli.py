@@ -105,6 +105,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         for s in specs:
             point = ", ".join(f"{k}={v}" for k, v in s.point.items())
             print(f"{run_status(s.run_dir, s.cfg.rounds):11s} {s.name}  [{point}]")
+        for note in dict.fromkeys(s.note for s in specs if s.note):  # e.g. a HaFedHo cell without a twin, and why
+            print(f"note: {note}")
         print(f"{len(specs)} runs of {preset.name} ({preset.scale}) in {out}")
         return 0
     backend = _sweep_backend(args)
