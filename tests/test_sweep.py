@@ -315,11 +315,15 @@ def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
 
 
 def _smoke_specs(name: str, overrides: list[str]) -> list:
-    """A preset's first grid point, its first variant point and its first momentum twin, seed 0."""
+    """A preset's first grid point, its first reference point, its first momentum twin and its first Proposition 1
+    ideal (converge's hafedho-exact), seed 0; estimation's diagnostics every 2 rounds, so one is taken."""
+    if name == "estimation":
+        overrides = [*overrides, "diagnostics.every=2"]
     specs = expand(load_preset(name), seeds=1, overrides=overrides)
     first = [specs[0]]
     first += [s for s in specs if s.label != specs[0].label and s.reference][:1]
     first += [s for s in specs if s.label == "hafedho-twin"][:1]
+    first += [s for s in specs if s.label == "hafedho-exact"][:1]
     return first
 
 
@@ -335,6 +339,8 @@ def test_cpu_preset_runs_two_rounds(name: str, shared_data: Path, tmp_path_facto
     for s in specs:
         rows = read_metrics(s.run_dir)
         assert [r["round"] for r in rows] == [1, 2] and "test/acc" in rows[-1] and run_status(s.run_dir) == "done"
+        assert ("diag/h_cos" in rows[-1]) == (name == "estimation")
+    assert name != "converge" or {"hafedho-twin", "hafedho-exact"} <= {s.label for s in specs}
 
 
 @pytest.mark.slow
