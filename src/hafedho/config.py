@@ -142,8 +142,12 @@ class Config:
         directory, even under one name; the same experiment always gets the same one (``hafedho run``, sweeps
         and Flower alike), whatever the engine, and a run with more ``rounds`` continues it.
         """
-        prefix = self.name or file_name(f"{self.algorithm.get('name')}-{self.data.source}")
-        return f"{prefix}-{experiment_hash(self)}-s{self.seed}"
+        return f"{self.run_prefix}-{experiment_hash(self)}-s{self.seed}"
+
+    @property
+    def run_prefix(self) -> str:
+        """PREFIX of the run name: ``name``, default ``ALGORITHM-SOURCE`` (a reference's ':' written as '.')."""
+        return self.name or file_name(f"{self.algorithm.get('name')}-{self.data.source}")
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none(dataclasses.asdict(self))

@@ -121,7 +121,7 @@ class Tracking:
             folder = self.path / "tensorboard" if log.tensorboard is True else Path(log.tensorboard) / facts["run_name"]
             sinks.append(_TensorBoard(folder, int(state["tensorboard"].get(str(folder.resolve()), 0)), facts))
         if log.mlflow:
-            name = log.mlflow_experiment or facts["run_name"].rsplit("-", 2)[0]  # PREFIX of PREFIX-HASH-sSEED
+            name = log.mlflow_experiment or self.cfg.run_prefix
             sinks.append(_MLflow(log.mlflow, name, state["mlflow"].get(log.mlflow), self.cfg, self.path, facts))
         return sinks
 
