@@ -72,7 +72,7 @@ def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tu
                 g, f = full_gradient(model, params, fed.full_data(j, exp.plan.batch_size))
                 g, f = tree.detach(g), f.detach()
                 for w, a in (("uniform", 1.0 / n), ("data_size", float(p[j]))):
-                    sums[w] = {k: acc + a * g[k].double() for k, acc in sums[w].items()}
+                    sums[w] = tree.axpy(a, _f64(g), sums[w])
                     fsum[w] = fsum[w] + a * f.double()
                 if j in keep_set:
                     own[j] = (g, f)
@@ -81,16 +81,21 @@ def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tu
     return FullGradients(sums, fsum, own)
 
 
+def _f64(x: Params) -> Params:
+    return {k: v.double() for k, v in x.items()}
+
+
 def _norm(x: Params) -> float:
-    return math.sqrt(float(sum((v.double() ** 2).sum() for v in x.values())))
+    return math.sqrt(float(tree.sq_norm(_f64(x))))
 
 
 def measure(h: Params, target: Params, scale: float) -> dict[str, float]:
     """One client's diagnostic (float64): the cosine between h and the target (0 when either is 0), the relative
     error ||h/s - target|| / ||target|| after the steady-state scale s, and both norms."""
+    h, target = _f64(h), _f64(target)
     hn, tn = _norm(h), _norm(target)
-    dot = float(sum((h[k].double() * target[k].double()).sum() for k in h))
-    err = _norm({k: h[k].double() / scale - target[k].double() for k in h})
+    dot = float(tree.dot(h, target))
+    err = _norm(tree.sub({k: v / scale for k, v in h.items()}, target))
     return {
         "diag/h_cos": dot / (hn * tn) if hn > 0 and tn > 0 else 0.0,
         "diag/h_rel_err": err / tn if tn > 0 else (0.0 if err == 0 else 1.0),
