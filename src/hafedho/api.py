@@ -12,7 +12,16 @@ from typing import Any
 from torch import nn
 
 from hafedho.algorithms import REGISTRY, check_algorithm_class
-from hafedho.config import CONFIG_DIR, Config, ConfigError, _merge, config_from_table, parse_override, read_toml
+from hafedho.config import (
+    CONFIG_DIR,
+    Config,
+    ConfigError,
+    _merge,
+    config_from_table,
+    config_path,
+    parse_override,
+    read_toml,
+)
 from hafedho.core import FedAlgorithm
 from hafedho.data.sources import SOURCES, Source, as_source
 from hafedho.models import MODELS, check_model_factory
@@ -91,12 +100,8 @@ def _table(config: Config | Mapping[str, Any] | str | Path | None) -> dict[str, 
         return copy.deepcopy(dict(config))
     if config is None:
         return read_toml(CONFIG_DIR / "default.toml")
-    if isinstance(config, str | Path):
-        path = Path(config)
-        embedded = CONFIG_DIR / f"{config}.toml"
-        if not path.exists() and isinstance(config, str) and embedded.exists():
-            path = embedded
-        return read_toml(path)
+    if isinstance(config, str | Path):  # a name may stand for an embedded config; a Path is always a file
+        return read_toml(config_path(config) if isinstance(config, str) else config)
     raise ConfigError(f"run(config={type(config).__name__}): pass a Config, a dict, a TOML path or 'demo'/'smoke'")
 
 

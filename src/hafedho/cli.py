@@ -8,20 +8,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hafedho.config import CONFIG_DIR, Config, ConfigError, load_config
+from hafedho.config import CONFIG_DIR, Config, ConfigError, config_path, load_config
 
 if TYPE_CHECKING:  # Ray is optional: the backend's module is imported only for --backend ray
     from hafedho.sweep.ray_backend import RayBackend
-
-
-def _config_path(name: str | None) -> Path | None:
-    """A file path, or the name of an embedded config (``demo``, ``smoke``, ``default``)."""
-    if name is None:
-        return None
-    p = Path(name)
-    if not p.exists() and (CONFIG_DIR / f"{name}.toml").exists():
-        return CONFIG_DIR / f"{name}.toml"
-    return p
 
 
 def run_one(cfg: Config, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
@@ -35,7 +25,7 @@ def run_one(cfg: Config, resume: bool = False, force: bool = False, progress: bo
 def cmd_run(args: argparse.Namespace) -> int:
     from hafedho.rundir import is_finished
 
-    cfg = load_config(_config_path(args.config), args.overrides)
+    cfg = load_config(None if args.config is None else config_path(args.config), args.overrides)
     if args.out:
         cfg.out = args.out
     run_dir = Path(cfg.out) / cfg.run_name

@@ -298,6 +298,14 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
 
 
+def config_path(name: str | Path) -> Path:
+    """A TOML path, or the file of an embedded config (``default``, ``demo``, ``smoke``) when no such path exists."""
+    p = Path(name)
+    if not p.exists() and (CONFIG_DIR / f"{name}.toml").exists():
+        return CONFIG_DIR / f"{name}.toml"
+    return p
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The resolved config: defaults < file (or the embedded default) < overrides, then checked."""
     table = read_toml(path if path is not None else CONFIG_DIR / "default.toml")

@@ -13,13 +13,12 @@ import hashlib
 import json
 import shlex
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hafedho.config import CONFIG_DIR, Config, ConfigError, canonical_json, experiment_identity, load_config
+from hafedho.config import Config, ConfigError, canonical_json, config_path, experiment_identity, load_config
 from hafedho.core import ClientData, ClientInfo, RoundInfo, tree
 from hafedho.experiment import Experiment
 from hafedho.flower.app import RUN_CONFIG_DEFAULTS  # the run config's keys and defaults, defined there
@@ -38,14 +37,6 @@ _CACHE: dict[tuple[str, tuple[str, ...]], Experiment] = {}
 def run_setting(run_config: Mapping[str, Any], key: str) -> Any:
     """A run-config value, or its default."""
     return run_config.get(key, RUN_CONFIG_DEFAULTS[key])
-
-
-def config_path(name: str) -> Path:
-    """A TOML path, or the file of an embedded config (``default``, ``demo``, ``smoke``)."""
-    p = Path(name)
-    if not p.exists() and (CONFIG_DIR / f"{name}.toml").exists():
-        return CONFIG_DIR / f"{name}.toml"
-    return p
 
 
 def overrides_of(run_config: Mapping[str, Any], data_path: str | None = None) -> tuple[str, ...]:
