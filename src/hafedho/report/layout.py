@@ -121,6 +121,19 @@ class Layout:
     def is_twin(self, row: tuple[str, tuple]) -> bool:
         return row[0] in self.section.twins
 
+    def is_baseline(self, row: tuple[str, tuple]) -> bool:
+        """A competitor HaFedHo is judged against: no reference, no momentum twin, and no row that runs HaFedHo
+        itself (its hyperparameter splits, Proposition 1's ideal)."""
+        if self.is_reference(row) or self.is_twin(row):
+            return False
+        groups = [g for g in self.section.groups if g.runs and g.runs[0].config]
+        algs = {
+            g.runs[0].config.get("algorithm", {}).get("name")
+            for g in groups
+            if self.row_key(g, self.row_hyper_keys) == row
+        }
+        return "hafedho" not in algs
+
     def row_name(self, row: tuple[str, tuple]) -> str:
         """The label and its varying hyperparameters; a momentum twin reads ``FedAvgM, β = λμ = 0.5`` (its
         [report.names] entry, if any, replaces the name)."""

@@ -146,12 +146,12 @@ def _twin_note(lay: Layout) -> str:
 
 
 def _lead_rows(lay: Layout, cols: list[dict[str, Any]], kind: str) -> list[list[Cell]]:
-    """HaFedHo minus the best other competitor (momentum twins aside), and minus its twin, in percentage points,
-    when both exist."""
+    """HaFedHo minus the best baseline (``Layout.is_baseline``), and minus its twin, in percentage points, when both
+    exist."""
     own = ("hafedho", ())
     if own not in lay.rows:
         return []
-    baselines = [r for r in lay.rows if r != own and not lay.is_reference(r) and not lay.is_twin(r)]
+    baselines = [r for r in lay.rows if lay.is_baseline(r)]
     twins = [r for r in lay.rows if lay.section.twins.get(r[0]) == "hafedho" and not lay.is_reference(r)]
     out = []
     for name, against in (

@@ -9,9 +9,9 @@ standard deviations over at least ``MIN_SEEDS`` seeds. Then
     no difference counts                                                    -> "tie"
     the best baseline beats HaFedHo                                         -> "does not hold"
 
-Baselines are every competitor row but HaFedHo's own family (labels starting with ``hafedho``: the twin, the
-Proposition 1 ideal) and references (centralised). A label split into several rows by a hyperparameter (fig3's mu)
-counts with its best row.
+Baselines are the layout's (``Layout.is_baseline``: no reference, no momentum twin, no row running HaFedHo, such
+as Proposition 1's ideal); the twin is the row the sweep made with ``twin_of = "hafedho"``. A label split into
+several rows by a hyperparameter (fig3's mu) counts with its best row.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from hafedho.report.table import Cell, Table
 
 MIN_SEEDS = 3
 OWN = "hafedho"
-TWIN = "hafedho-twin"
 
 HOLDS = "holds"
 TWIN_MATCHES = "holds, but the twin matches it (the gain is server momentum)"
@@ -55,20 +54,18 @@ def verdict_table(lay: Layout) -> list[Table]:
     labels = {r[0] for r in lay.rows}
     if OWN not in labels:
         return []
+    base_labels = {r[0] for r in lay.rows if lay.is_baseline(r)}
+    twin_label = next((t for t, of in s.twins.items() if of == OWN), None)
     header = ["setting", "HaFedHo", "best baseline", "twin (FedAvgM, β = λμ)", "verdict"]
     rows = []
     for col in lay.columns:
         best = {lab: _best_of(lay, lab, col) for lab in labels}
         own = best.get(OWN)
-        baselines = [
-            (st, lab)
-            for lab, st in best.items()
-            if st is not None and not lab.startswith(OWN) and not _is_reference(lay, lab) and st.n
-        ]
+        baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n]
         if own is None or not own.n or not baselines:
             continue
         base, base_label = max(baselines, key=lambda t: t[0].mean)
-        twin = best.get(TWIN)
+        twin = best.get(twin_label) if twin_label is not None else None
         rows.append(
             [
                 Cell(lay.col_name(col) if lay.col_keys else s.title),
@@ -93,7 +90,3 @@ def _best_of(lay: Layout, label: str, col: dict) -> Stat | None:
     stats = [accuracy_stat(g, s.metric, s.last) for r in lay.rows if r[0] == label and (g := lay.group_at(r, col))]
     stats = [st for st in stats if math.isfinite(st.mean)]
     return max(stats, key=lambda st: st.mean) if stats else None
-
-
-def _is_reference(lay: Layout, label: str) -> bool:
-    return any(lay.is_reference(r) for r in lay.rows if r[0] == label)
