@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 from helpers import SMOKE, SMOKE_PRESET_TABLES
 
+from hafedho.algorithms import resolve_algorithm
 from hafedho.cli import main
-from hafedho.config import ConfigError, dump_toml, load_config
+from hafedho.config import ConfigError, dump_toml, load_config, read_toml
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
 from hafedho.results import RunLock, read_metrics
 from hafedho.sweep.execute import run_spec, run_status, run_sweep
 from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, read_index, write_index
-from hafedho.sweep.presets import SCALES, list_presets, load_preset
+from hafedho.sweep.presets import PRESET_DIR, SCALES, list_presets, load_preset
 
 PAPER = ["converge", "estimation", "fig2", "fig3", "hetero", "synthetic", "table1", "table2", "table3", "tune"]
 
@@ -86,9 +87,10 @@ def test_scales_and_bundles() -> None:
     moon = {s.cfg.data.source: s.cfg.algorithm["moon"]["mu"] for s in full_t1 if s.label == "moon"}
     assert moon == {"cifar10": 5.0, "femnist": 1.0, "cifar100": 1.0}  # the paper's values at full scale
     tuned = {s.cfg.data.source: s.cfg.algorithm for s in expand(load_preset("table1")) if s.label == "hafedho"}
-    assert tuned["femnist"]["hafedho"]["mu"] == 0.05  # the CPU scale's tuned value ...
+    chosen = read_toml(PRESET_DIR / "_tuned.toml")["scale"]["cpu"]["bundles"]["dataset"]["femnist"]
+    assert tuned["femnist"]["hafedho"]["mu"] == chosen["algorithm.hafedho.mu"] != 0.01  # CPU's tuned value ...
     fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3")) if s.label == "hafedho"}
-    assert fig3 == {0.0001, 0.001, 0.01, 0.05, 0.1}  # ... which a grid axis still overrides
+    assert fig3 == {0.0001, 0.001, 0.01, 0.05, 0.08, 0.1}  # ... which a grid axis still overrides
     t3 = expand(load_preset("table3"), seeds=1)
     fixed = [s.cfg for s in t3 if s.point["population"] == "fixed" and s.point["participation"] == 0.002]
     assert fixed[0].data.num_clients == 1000 and fixed[0].sampling.cohort_size == 2 and fixed[0].rounds == 100
@@ -114,7 +116,7 @@ def test_centralized_variant_and_shared_runs() -> None:
     # identical configs get identical directories: table2 is table1's q = 0.3 column
     assert {s.name for s in expand(load_preset("table2"))} <= {s.name for s in specs}
     shared = {s.name for s in expand(load_preset("fig3"))} & {s.name for s in specs}
-    assert shared and all(n.startswith(("hafedho-cifar10-", "fedavgm-cifar10-")) for n in shared)  # mu = 0.05, phi
+    assert shared and all(n.startswith(("hafedho-cifar10-", "fedavgm-cifar10-")) for n in shared)  # the tuned mu, phi
     assert {n.split("-")[0] for n in shared} == {"hafedho", "fedavgm"}  # ... and its momentum twin
 
 
@@ -418,3 +420,17 @@ def test_dry_run_says_which_cells_have_no_twin_and_why(capsys: pytest.CaptureFix
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     assert any('gradient rectification (accumulate = "f")' in n for n in notes)
     assert any("lambda*mu = 10*0.1 = 1 >= 1" in n for n in notes) and len(notes) == len(set(notes))
+
+
+def test_tuned_lr_is_each_algorithms_own() -> None:
+    """At CPU scale every row runs at its own tuned lr (_tuned.toml); tune itself extends _common, so its lr axis
+    never meets a tuned lr; the twin takes HaFedHo's lr."""
+    chosen = read_toml(PRESET_DIR / "_tuned.toml")["scale"]["cpu"]["bundles"]["dataset"]
+    for s in expand(load_preset("table1"), seeds=1):
+        name, settings = resolve_algorithm(s.cfg.algorithm)
+        if s.label == "hafedho-twin":
+            assert settings["lr"] == chosen[s.point["dataset"]]["algorithm.hafedho.lr"]
+        else:
+            assert "lr" not in s.cfg.algorithm and settings["lr"] == chosen[s.point["dataset"]][f"algorithm.{name}.lr"]
+    lrs = {resolve_algorithm(s.cfg.algorithm)[1]["lr"] for s in expand(load_preset("tune"), seeds=1)}
+    assert lrs == set(read_toml(PRESET_DIR / "tune.toml")["grid"]["algorithm.lr"])
