@@ -161,7 +161,9 @@ class ServerRounds:
         start = self.start_loss()
         if loss > BLOWUP_FACTOR * start:
             what = f"the mean local loss {loss:.4g} exceeds {BLOWUP_FACTOR:g}x the initial model's {start:.4g}"
-            self._diverged(t, what, f"algorithm.lr = {self.exp.alg.lr:g} is too large here: lower it")
+            # the lr is the usual cause, but not the only one (HaFedHo with lambda*mu >= 1 blows up at any lr)
+            hint = f"algorithm.lr = {self.exp.alg.lr:g}, or a coefficient of the algorithm, is too large here: lower it"
+            self._diverged(t, what, hint)
 
     def _diverged(self, t: int, what: str, hint: str) -> None:
         kept = self.run_dir is not None and self.checkpointed > 0
