@@ -37,6 +37,25 @@ def test_two_rounds_by_hand() -> None:
     assert states[1] == () and states[3] == ()  # stateless clients: nothing stale to keep for the skipper
 
 
+def test_nesterov_two_rounds_by_hand() -> None:
+    """The same problem with nesterov = true: the step is d = beta v + Delta_w, x <- x - eta_g d.
+
+    Round 1: v_1 = (-0.375, -0.75) as above; d_1 = 0.5 v_1 + Delta_w = (-0.5625, -1.125); x_1 = (0.28125, 0.5625)
+    Round 2: Delta_2 = 0.75 ((0, 2) - x_1) = (-0.2109375, 1.078125); Delta_3 = 0.75 ((-1, -1) - x_1)
+        = (-0.9609375, -1.171875); mean (weights 1, 2) = (-0.7109375, -0.421875), Delta_w = (0.7109375, 0.421875)
+        v_2 = 0.5 v_1 + Delta_w = (0.5234375, 0.046875); d_2 = 0.5 v_2 + Delta_w = (0.97265625, 0.4453125)
+        x_2 = x_1 - 0.5 d_2 = (-0.205078125, 0.33984375)
+    """
+    alg = FedAvgM(lr=0.5, beta=0.5, server_lr=0.5, nesterov=True)
+    server = alg.init_server(w(0.0, 0.0))
+    states = {i: alg.init_client(w(0.0, 0.0)) for i in A}
+    s1, _ = run_round(alg, server, states, [1, 2], 1)
+    assert close(s1.v, [-0.375, -0.75]) and close(s1.params, [0.28125, 0.5625])
+    s2, r2 = run_round(alg, s1, states, [2, 3], 2)
+    assert close(r2[2].upload.delta, [-0.2109375, 1.078125]) and close(r2[3].upload.delta, [-0.9609375, -1.171875])
+    assert close(s2.v, [0.5234375, 0.046875]) and close(s2.params, [-0.205078125, 0.33984375])
+
+
 def test_broadcast_is_the_model_only() -> None:
     alg = FedAvgM()
     msg = alg.broadcast(ServerState(w(1.0, 2.0), w(3.0, 4.0)), rnd(1, 1))

@@ -7,7 +7,8 @@ Round t, cohort S_t of m clients:
     client i:  y_i <- x_t;  K steps  y_i <- y_i - eta_l grad f_i(y_i; batch);  upload Delta_i = y_i - x_t
     server:    Delta_w = -sum_i p_i Delta_i / sum_i p_i  (= x_t - weighted mean of the y_i, the paper's Delta w)
                v <- beta v + Delta_w
-               x_{t+1} = x_t - eta_g v
+               x_{t+1} = x_t - eta_g v                          (heavy ball, the paper)
+               x_{t+1} = x_t - eta_g (beta v + Delta_w)         (nesterov = true)
 
 Sign convention: clients upload Delta_i = y_i - x_t as in FedAvg here; the server's Delta_w and v are in the
 paper's pseudo-gradient direction (plain FedAvg is x <- x - Delta_w), so v points *against* the update.
@@ -21,6 +22,11 @@ Symbols:
 The paper writes x <- x - v, i.e. eta_g = 1 (the default); eta_g is the server learning rate of Reddi et al.
 (arXiv:2003.00295) and of Flower's FedAvgM. The paper discusses the effective rate eta_eff = eta_l / (1 - beta).
 v accumulates Delta_w itself (not (1 - beta) Delta_w, a known divergence from the paper in APPFL's FedAvgM).
+
+``nesterov = true`` (not in the paper) is Nesterov's momentum in the form of Sutskever et al. (ICML 2013) and of
+PyTorch's SGD(nesterov=True): the step looks one momentum step ahead. On a quadratic its momentum factor is
+beta (I - eta_g H) rather than beta, damped along curved directions, which is what HaFedHo's look-ahead does to its
+own server momentum (docs/algorithms.md, "What is left: the look-ahead"); the `momentum` preset compares the two.
 
 Diff from FedAvg: the server (``init_server``, ``server_update``, the buffer v in ``ServerState``).
 Reduces to FedAvg exactly when beta = 0 (same ``weighting`` and ``server_lr``; eta_g = 1: plain FedAvg).
@@ -53,11 +59,13 @@ class FedAvgM(FedAvg):
     name = "fedavgm"
     beta: float = hp(0.9, "server momentum beta in v <- beta v + Delta_w (0 = FedAvg)", ge=0, lt=1)
     server_lr: float = hp(1.0, "server learning rate eta_g in x <- x - eta_g v (the paper: 1)", gt=0)
+    nesterov: bool = hp(False, "Nesterov's look-ahead step x <- x - eta_g (beta v + Delta_w) (false: the paper)")
 
     def init_server(self, params: Params) -> ServerState:
         return ServerState(params, tree.zeros_like(params))
 
     def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
         v = tree.axpy(self.beta, server.v, tree.scale(agg.delta, -1.0))  # beta v + Delta_w, Delta_w = -mean Delta_i
-        params = tree.axpy(-self.server_lr, v, server.params)
+        step = tree.axpy(self.beta, v, tree.scale(agg.delta, -1.0)) if self.nesterov else v
+        params = tree.axpy(-self.server_lr, step, server.params)
         return ServerState(params, v), {"server/v_norm": float(tree.sq_norm(v).sqrt())}
