@@ -24,9 +24,10 @@ The paper writes x <- x - v, i.e. eta_g = 1 (the default); eta_g is the server l
 v accumulates Delta_w itself (not (1 - beta) Delta_w, a known divergence from the paper in APPFL's FedAvgM).
 
 ``nesterov = true`` (not in the paper) is Nesterov's momentum in the form of Sutskever et al. (ICML 2013) and of
-PyTorch's SGD(nesterov=True): the step looks one momentum step ahead. On a quadratic its momentum factor is
-beta (I - eta_g H) rather than beta, damped along curved directions, which is what HaFedHo's look-ahead does to its
-own server momentum (docs/algorithms.md, "What is left: the look-ahead"); the `momentum` preset compares the two.
+PyTorch's SGD(nesterov=True): the step looks one momentum step ahead. When Delta_w is linear in x_t (Jacobian J,
+as on a quadratic), x_{t+1} - x_t = beta (I - eta_g J)(x_t - x_{t-1}) - eta_g Delta_w(x_t): the momentum factor is
+beta (I - eta_g J) rather than beta, damped along curved directions, which is what HaFedHo's look-ahead does to
+its own server momentum (docs/algorithms.md, "What is left: the look-ahead"); the `momentum` preset compares them.
 
 Diff from FedAvg: the server (``init_server``, ``server_update``, the buffer v in ``ServerState``).
 Reduces to FedAvg exactly when beta = 0 (same ``weighting`` and ``server_lr``; eta_g = 1: plain FedAvg).
