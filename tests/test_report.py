@@ -566,3 +566,12 @@ def test_a_run_extended_by_another_preset_reads_at_its_sweeps_horizon(tmp_path: 
     assert [by[k].status for k in ("ext", "div", "cut", "short")] == ["done", "done", "done", "diverged"]
     assert [by[k].evals("test/acc")[-1][1] for k in ("ext", "div", "cut")] == [0.3, 0.4, 0.5]
     assert by["ext"].config["rounds"] == 3
+
+
+def test_hyperparameters_read_defaults_as_values() -> None:
+    """A run that leaves a setting at its default reads as that value, so a row never says ``nesterov=None``."""
+    from hafedho.report.runs import hyperparameters
+
+    hyper = hyperparameters({"algorithm": {"name": "fedavgm", "lr": 0.05, "fedavgm": {"beta": 0.5}}})
+    assert hyper["beta"] == 0.5 and hyper["lr"] == 0.05 and hyper["nesterov"] is False and hyper["server_lr"] == 1.0
+    assert hyperparameters({"algorithm": {"name": "no-such-algorithm"}}) == {}

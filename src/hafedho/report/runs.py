@@ -14,7 +14,7 @@ List- and table-valued settings are kept frozen (``FrozenList``, ``FrozenTable``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -139,15 +139,20 @@ class Section:
 
 
 def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
-    """The selected algorithm's effective settings (``hafedho.algorithms.resolve_algorithm``); none for a config
-    this version refuses."""
-    from hafedho.algorithms import resolve_algorithm
+    """The selected algorithm's effective settings (``hafedho.algorithms.resolve_algorithm``) over its defaults, so
+    a run that leaves a setting at its default reads as that value (``nesterov=False``), never as missing; none
+    for a config this version refuses."""
+    from hafedho.algorithms import algorithm_class, resolve_algorithm
     from hafedho.config import ConfigError
 
     try:
-        return flatten(resolve_algorithm(config.get("algorithm", {}))[1])
+        name, settings = resolve_algorithm(config.get("algorithm", {}))
+        known = fields(algorithm_class(name))
     except ConfigError:
         return {}
+    plain = (bool, int, float, str)
+    defaults = {f.name: f.default for f in known if f.init and isinstance(f.default, plain)}
+    return flatten({**defaults, **settings})
 
 
 def at_horizon(run: Run, rounds: int | None) -> Run:
