@@ -24,7 +24,19 @@ from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, read_index, write_index
 from hafedho.sweep.presets import PRESET_DIR, SCALES, list_presets, load_preset
 
-PAPER = ["converge", "estimation", "fig2", "fig3", "hetero", "momentum", "synthetic", "table1", "table2", "table3", "tune"]
+PAPER = [
+    "converge",
+    "estimation",
+    "fig2",
+    "fig3",
+    "hetero",
+    "momentum",
+    "synthetic",
+    "table1",
+    "table2",
+    "table3",
+    "tune",
+]
 
 TINY = """
 seeds = 2
