@@ -184,7 +184,9 @@ def test_a_shared_key_applies_or_is_refused_naming_the_right_key() -> None:
 
 def test_report_reads_hyperparameters_through_the_same_resolver() -> None:
     table = {"name": "hafedho", "lr": 0.1, "hafedho": {"mu": 0.05}, "fedprox": {"mu": 1.0}}
-    assert hyperparameters({"algorithm": table}) == {"lr": 0.1, "mu": 0.05} == resolve_algorithm(table)[1]
+    hyper, resolved = hyperparameters({"algorithm": table}), resolve_algorithm(table)[1]
+    assert resolved == {"lr": 0.1, "mu": 0.05} and {k: hyper[k] for k in resolved} == resolved
+    assert hyper["accumulate"] == HaFedHo().accumulate  # the rest: the algorithm's defaults, never missing
     assert hyperparameters({"algorithm": {"name": "hafedho", "mu": 0.5, "hafedho": {"mu": 0.01}}}) == {}
 
 
