@@ -66,7 +66,8 @@ class FedAvgM(FedAvg):
         return ServerState(params, tree.zeros_like(params))
 
     def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
-        v = tree.axpy(self.beta, server.v, tree.scale(agg.delta, -1.0))  # beta v + Delta_w, Delta_w = -mean Delta_i
-        step = tree.axpy(self.beta, v, tree.scale(agg.delta, -1.0)) if self.nesterov else v
+        delta_w = tree.scale(agg.delta, -1.0)  # Delta_w = -mean Delta_i
+        v = tree.axpy(self.beta, server.v, delta_w)  # beta v + Delta_w
+        step = tree.axpy(self.beta, v, delta_w) if self.nesterov else v
         params = tree.axpy(-self.server_lr, step, server.params)
         return ServerState(params, v), {"server/v_norm": float(tree.sq_norm(v).sqrt())}

@@ -71,9 +71,10 @@ def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tu
                 torch.manual_seed(seed_for(exp.cfg.seed, "full_gradient", t, j))
                 g, f = full_gradient(model, params, fed.full_data(j, exp.plan.batch_size))
                 g, f = tree.detach(g), f.detach()
+                g64, f64 = _f64(g), f.double()  # once per client, for both weightings
                 for w, a in (("uniform", 1.0 / n), ("data_size", float(p[j]))):
-                    sums[w] = tree.axpy(a, _f64(g), sums[w])
-                    fsum[w] = fsum[w] + a * f.double()
+                    sums[w] = tree.axpy(a, g64, sums[w])
+                    fsum[w] = fsum[w] + a * f64
                 if j in keep_set:
                     own[j] = (g, f)
         finally:
