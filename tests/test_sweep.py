@@ -99,7 +99,7 @@ def test_scales_and_bundles() -> None:
     moon = {s.cfg.data.source: s.cfg.algorithm["moon"]["mu"] for s in full_t1 if s.label == "moon"}
     assert moon == {"cifar10": 5.0, "femnist": 1.0, "cifar100": 1.0}  # the paper's values at full scale
     tuned = {s.cfg.data.source: s.cfg.algorithm for s in expand(load_preset("table1")) if s.label == "hafedho"}
-    chosen = read_toml(PRESET_DIR / "_tuned.toml")["scale"]["cpu"]["bundles"]["dataset"]["femnist"]
+    chosen = _tuned_cpu()["femnist"]
     assert tuned["femnist"]["hafedho"]["mu"] == chosen["algorithm.hafedho.mu"] != 0.01  # CPU's tuned value ...
     fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3")) if s.label == "hafedho"}
     assert fig3 == {0.0001, 0.001, 0.01, 0.05, 0.08, 0.1}  # ... which a grid axis still overrides
@@ -434,10 +434,15 @@ def test_dry_run_says_which_cells_have_no_twin_and_why(capsys: pytest.CaptureFix
     assert any("lambda*mu = 10*0.1 = 1 >= 1" in n for n in notes) and len(notes) == len(set(notes))
 
 
+def _tuned_cpu() -> dict:
+    """_tuned.toml's CPU bundles per dataset: the values tune chose."""
+    return read_toml(PRESET_DIR / "_tuned.toml")["scale"]["cpu"]["bundles"]["dataset"]
+
+
 def test_tuned_lr_is_each_algorithms_own() -> None:
     """At CPU scale every row runs at its own tuned lr (_tuned.toml); tune itself extends _common, so its lr axis
     never meets a tuned lr; the twin takes HaFedHo's lr."""
-    chosen = read_toml(PRESET_DIR / "_tuned.toml")["scale"]["cpu"]["bundles"]["dataset"]
+    chosen = _tuned_cpu()
     for s in expand(load_preset("table1"), seeds=1):
         name, settings = resolve_algorithm(s.cfg.algorithm)
         if s.label == "hafedho-twin":
@@ -446,3 +451,17 @@ def test_tuned_lr_is_each_algorithms_own() -> None:
             assert "lr" not in s.cfg.algorithm and settings["lr"] == chosen[s.point["dataset"]][f"algorithm.{name}.lr"]
     lrs = {resolve_algorithm(s.cfg.algorithm)[1]["lr"] for s in expand(load_preset("tune"), seeds=1)}
     assert lrs == set(read_toml(PRESET_DIR / "tune.toml")["grid"]["algorithm.lr"])
+
+
+def test_momentum_runs_fedavgm_at_hafedhos_lr() -> None:
+    """momentum.toml writes HaFedHo's tuned lr out per dataset (a preset cannot refer to another key): it must
+    equal _tuned.toml's, so its beta = lambda*mu heavy-ball point stays table1's twin run."""
+    chosen = _tuned_cpu()
+    specs = expand(load_preset("momentum"), seeds=1)
+    for s in specs:
+        lr = resolve_algorithm(s.cfg.algorithm)[1]["lr"]
+        assert lr == chosen[s.point["dataset"]]["algorithm.hafedho.lr"], s.name
+    twins = {
+        s.name for s in expand(load_preset("table1"), seeds=1) if s.label == "hafedho-twin" and s.point["data.q"] == 0.3
+    }
+    assert twins and twins <= {s.name for s in specs}
