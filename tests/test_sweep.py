@@ -30,6 +30,7 @@ PAPER = [
     "fig2",
     "fig3",
     "hetero",
+    "ideal",
     "momentum",
     "synthetic",
     "table1",
@@ -354,7 +355,7 @@ def test_cpu_preset_runs_two_rounds(name: str, shared_data: Path, tmp_path_facto
         rows = read_metrics(s.run_dir)
         assert [r["round"] for r in rows] == [1, 2] and "test/acc" in rows[-1] and run_status(s.run_dir) == "done"
         assert ("diag/h_cos" in rows[-1]) == (name == "estimation")
-    assert name != "converge" or {"hafedho-twin", "hafedho-exact"} <= {s.label for s in specs}
+    assert name not in ("converge", "ideal") or {"hafedho-twin", "hafedho-exact"} <= {s.label for s in specs}
 
 
 @pytest.mark.slow

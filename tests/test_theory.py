@@ -355,3 +355,19 @@ def test_estimation_preset() -> None:
     }
     assert all(s.cfg.diagnostics.every == 5 and s.cfg.rounds == 100 and s.cfg.data.q == 0.3 for s in specs)
     assert {s.cfg.seed for s in specs} == {0, 1, 2}
+
+
+def test_ideal_preset_reads_converges_cifar10_runs() -> None:
+    """`ideal` at cpu scale is converge's CIFAR-10 HaFedHo, twin, exact and FedAvg runs (the same run directories,
+    so neither preset reruns the other's runs) read at 100 rounds instead of 300."""
+    from hafedho.sweep.expand import expand
+    from hafedho.sweep.presets import load_preset
+
+    ideal = expand(load_preset("ideal", "cpu"))
+    converge = {s.name: s for s in expand(load_preset("converge", "cpu"))}
+    assert len(ideal) == 4 * 3 and {s.label for s in ideal} == {"hafedho", "hafedho-twin", "hafedho-exact", "fedavg"}
+    for s in ideal:
+        assert s.name in converge and converge[s.name].label == s.label, s.name
+        assert s.cfg.rounds == 100 and converge[s.name].cfg.rounds == 300
+    exact = [s for s in ideal if s.label == "hafedho-exact"]
+    assert all(s.cfg.algorithm["hafedho"]["h_source"] == "exact" and s.cfg.data.source == "cifar10" for s in exact)
