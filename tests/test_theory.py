@@ -343,16 +343,18 @@ def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
 
 
 def test_estimation_preset() -> None:
-    """The `estimation` preset at cpu scale: FEMNIST and CIFAR-10 at q = 0.3, constant mu and mu / t, 3 seeds, 100
-    rounds, diagnostics every 5 rounds."""
+    """The `estimation` preset at cpu scale: FEMNIST and CIFAR-10 at q = 0.3, constant mu and mu / t at the tuned mu
+    and constant mu at a quarter of it, 3 seeds, 100 rounds, diagnostics every 5 rounds."""
     from hafedho.sweep.expand import expand
     from hafedho.sweep.presets import load_preset
 
     specs = expand(load_preset("estimation", "cpu"))
-    assert len(specs) == 2 * 2 * 3
-    assert {(s.cfg.data.source, s.cfg.algorithm["hafedho"]["mu_schedule"]) for s in specs} == {
-        (d, m) for d in ("femnist", "cifar10") for m in ("constant", "inverse_round")
+    assert len(specs) == 2 * 3 * 3
+    cells = {
+        (s.cfg.data.source, s.cfg.algorithm["hafedho"]["mu_schedule"], s.cfg.algorithm["hafedho"]["mu"]) for s in specs
     }
+    rows = (("constant", 0.08), ("inverse_round", 0.08), ("constant", 0.02))
+    assert cells == {(d, m, mu) for d in ("femnist", "cifar10") for m, mu in rows}
     assert all(s.cfg.diagnostics.every == 5 and s.cfg.rounds == 100 and s.cfg.data.q == 0.3 for s in specs)
     assert {s.cfg.seed for s in specs} == {0, 1, 2}
 
