@@ -309,20 +309,25 @@ def test_exact_client_without_the_simulator_refuses() -> None:
 
 
 def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
-    """Hand-made run directories (two rows, two seeds) with diag rows every 2 rounds: the report draws
-    diagnostics.png and tables early vs late, with the decay verdict by the larger-std rule."""
+    """Hand-made run directories (three rows, two seeds) with diag rows every 2 rounds: the report draws
+    diagnostics.png and tables early vs late, with the decay verdict by the larger-std rule; a decay that ends near
+    1, the error of h = 0, is said to be no better than h = 0."""
     import json
 
     from hafedho.config import dump_toml
     from hafedho.report.build import write_report
 
-    errs = {"constant": [0.9, 0.8, 0.85, 0.9], "inverse_round": [0.9, 0.6, 0.4, 0.2]}
-    for sched, err in errs.items():
+    errs = {
+        ("constant", 0.05): [0.9, 0.8, 0.85, 0.9],
+        ("inverse_round", 0.05): [0.9, 0.6, 0.4, 0.2],
+        ("constant", 0.02): [1.5, 1.3, 1.1, 0.995],  # late 0.995 + 0.005 +- 0.007: within the margin of 1
+    }
+    for (sched, mu), err in errs.items():
         for seed in (0, 1):
-            d = tmp_path / f"h-{sched}-s{seed}"
+            d = tmp_path / f"h-{sched}-{mu}-s{seed}"
             d.mkdir()
             cfg = {"seed": seed, "rounds": 8, "name": d.name, "diagnostics": {"every": 2}}
-            cfg["algorithm"] = {"name": "hafedho", "hafedho": {"mu_schedule": sched}}
+            cfg["algorithm"] = {"name": "hafedho", "hafedho": {"mu_schedule": sched, "mu": mu}}
             (d / "config.toml").write_text(dump_toml(cfg))
             rows = []
             for t in range(1, 9):
@@ -338,7 +343,11 @@ def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
     assert (tmp_path / "rep" / "diagnostics.png").stat().st_size > 5000
     table = (tmp_path / "rep" / "diagnostics.csv").read_text().splitlines()
     verdicts = {line.split(",")[0]: line.rsplit(",", 1)[1] for line in table[1:]}
-    assert verdicts == {"hafedho mu_schedule=constant": "flat", "hafedho mu_schedule=inverse_round": "decays"}
+    assert verdicts == {
+        "hafedho mu=0.05 mu_schedule=constant": "flat",
+        "hafedho mu=0.05 mu_schedule=inverse_round": "decays",
+        "hafedho mu=0.02 mu_schedule=constant": "decays to no better than h = 0",
+    }
     assert "0.905 ± 0.007,0.205 ± 0.007" in (tmp_path / "rep" / "diagnostics.csv").read_text()
 
 
