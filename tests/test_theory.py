@@ -370,14 +370,19 @@ def test_estimation_preset() -> None:
 
 def test_ideal_preset_reads_converges_cifar10_runs() -> None:
     """`ideal` at cpu scale is converge's CIFAR-10 HaFedHo, twin, exact and FedAvg runs (the same run directories,
-    so neither preset reruns the other's runs) read at 100 rounds instead of 300."""
+    so neither preset reruns the other's runs) read at 100 rounds instead of 300, plus its own ideal at mu = 0.02."""
     from hafedho.sweep.expand import expand
     from hafedho.sweep.presets import load_preset
 
     ideal = expand(load_preset("ideal", "cpu"))
     converge = {s.name: s for s in expand(load_preset("converge", "cpu"))}
-    assert len(ideal) == 4 * 3 and {s.label for s in ideal} == {"hafedho", "hafedho-twin", "hafedho-exact", "fedavg"}
-    for s in ideal:
+    labels = {"hafedho", "hafedho-twin", "hafedho-exact", "fedavg", "hafedho-exact-mu-0.02"}
+    assert len(ideal) == 5 * 3 and {s.label for s in ideal} == labels
+    small = [s for s in ideal if s.label == "hafedho-exact-mu-0.02"]  # the ablation, ideal's own
+    assert all(
+        s.cfg.algorithm["hafedho"]["mu"] == 0.02 and s.cfg.algorithm["hafedho"]["h_source"] == "exact" for s in small
+    )
+    for s in (s for s in ideal if s not in small):
         assert s.name in converge and converge[s.name].label == s.label, s.name
         assert s.cfg.rounds == 100 and converge[s.name].cfg.rounds == 300
     exact = [s for s in ideal if s.label == "hafedho-exact"]
