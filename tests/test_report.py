@@ -221,6 +221,21 @@ def test_hyperparameter_sweep_plot_and_best_table(tmp_path: Path) -> None:
     )
 
 
+def test_report_names_rename_a_row_label(tmp_path: Path) -> None:
+    """[report.names] maps a variant's row label to its display name (converge's "hafedho-exact"); other labels
+    keep theirs."""
+    runs = []
+    for label, v in (("hafedho", 0.6), ("hafedho-exact", 0.4)):
+        for s in range(2):
+            name = f"{label}-s{s}"
+            make_run(tmp_path, name, "hafedho", s, [v, v + 0.01 * s], hyper={"h_source": label[8:] or "aggregate"})
+            runs.append({"dir": name, "label": label, "seed": s, "point": {}})
+    write_index(tmp_path, "ideal", runs, {"names": {"hafedho-exact": "HaFedHo, exact h"}, "last": 1}, [])
+    (section,) = load_sections(tmp_path)
+    final = {r[0].text for r in {t.slug: t for t in section_tables(section)}["final"].rows}
+    assert {"HaFedHo, exact h", "hafedho"} <= final and "hafedho-exact" not in final
+
+
 def test_best_hyperparameters_at_the_edge_of_their_grid_are_marked() -> None:
     from hafedho.report.tables.best_hyper import _edge
 

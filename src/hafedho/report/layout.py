@@ -135,13 +135,13 @@ class Layout:
         return "hafedho" not in algs
 
     def row_name(self, row: tuple[str, tuple]) -> str:
-        """The label and its varying hyperparameters; a momentum twin reads ``FedAvgM, β = λμ = 0.5`` (its
-        [report.names] entry, if any, replaces the name)."""
+        """The label and its varying hyperparameters; a momentum twin reads ``FedAvgM, β = λμ = 0.5``. A label's
+        [report.names] entry, if any, replaces the label (e.g. converge's ``hafedho-exact``)."""
         names = self.section.names()
         label, twin = row[0], self.section.twins.get(row[0])
         if twin is None:
             extra = " ".join(display(k, v, names, False) for k, v in row[1])
-            return f"{label} {extra}".strip()
+            return f"{names.get(label, label)} {extra}".strip()
         extra = " ".join(f"= {fmt_value(v)}" if k == "beta" else display(k, v, names, False) for k, v in row[1])
         return f"{names.get(label, twin_name(twin))} {extra}".strip()
 
