@@ -225,10 +225,10 @@ def test_report_names_rename_a_row_label(tmp_path: Path) -> None:
     """[report.names] maps a variant's row label to its display name (converge's "hafedho-exact"); other labels
     keep theirs."""
     runs = []
-    for label, v in (("hafedho", 0.6), ("hafedho-exact", 0.4)):
+    for label, h_source, v in (("hafedho", "aggregate", 0.6), ("hafedho-exact", "exact", 0.4)):
         for s in range(2):
             name = f"{label}-s{s}"
-            make_run(tmp_path, name, "hafedho", s, [v, v + 0.01 * s], hyper={"h_source": label[8:] or "aggregate"})
+            make_run(tmp_path, name, "hafedho", s, [v, v + 0.01 * s], hyper={"h_source": h_source})
             runs.append({"dir": name, "label": label, "seed": s, "point": {}})
     write_index(tmp_path, "ideal", runs, {"names": {"hafedho-exact": "HaFedHo, exact h"}, "last": 1}, [])
     (section,) = load_sections(tmp_path)

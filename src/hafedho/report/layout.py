@@ -139,11 +139,11 @@ class Layout:
         [report.names] entry, if any, replaces the label (e.g. converge's ``hafedho-exact``)."""
         names = self.section.names()
         label, twin = row[0], self.section.twins.get(row[0])
-        if twin is None:
-            extra = " ".join(display(k, v, names, False) for k, v in row[1])
-            return f"{names.get(label, label)} {extra}".strip()
-        extra = " ".join(f"= {fmt_value(v)}" if k == "beta" else display(k, v, names, False) for k, v in row[1])
-        return f"{names.get(label, twin_name(twin))} {extra}".strip()
+        is_twin = twin is not None  # a twin shows its beta as "= 0.5" after its name
+        extra = " ".join(
+            f"= {fmt_value(v)}" if is_twin and k == "beta" else display(k, v, names, False) for k, v in row[1]
+        )
+        return f"{names.get(label, label if twin is None else twin_name(twin))} {extra}".strip()
 
     def col_name(self, col: dict[str, Any]) -> str:
         names = self.section.names()
