@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from hafedho.core import tree
+from hafedho.core.sizing import rows_per_pass
 from hafedho.core.tree import Params
 
 
@@ -33,6 +34,14 @@ class FunctionalModel:
         self.module = module
         self.buffers = dict(module.named_buffers())
         self.weight_decay = weight_decay
+        self._rows: dict[tuple, int] = {}  # (row shape, dtype) -> rows_per_pass
+
+    def rows_per_pass(self, row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Rows of ``row_shape`` that one pass takes at once (``core.sizing``'s cache rule), measured once."""
+        key = (tuple(int(d) for d in row_shape), dtype)
+        if key not in self._rows:
+            self._rows[key] = rows_per_pass(self.module, key[0], dtype)
+        return self._rows[key]
 
     def params(self) -> Params:
         return {k: v.detach().clone() for k, v in self.module.named_parameters()}
@@ -70,15 +79,21 @@ class FunctionalModel:
 
 
 @torch.no_grad()
-def evaluate(model: FunctionalModel, params: Params, x: Tensor, y: Tensor, batch_size: int = 1024) -> dict:
-    """Accuracy and mean cross-entropy of ``params`` on ``(x, y)`` in eval mode (no dropout)."""
+def evaluate(model: FunctionalModel, params: Params, x: Tensor, y: Tensor, batch_size: int | None = None) -> dict:
+    """Accuracy and mean cross-entropy of ``params`` on ``(x, y)`` in eval mode (no dropout).
+
+    ``x`` goes through the model in chunks of ``batch_size`` rows (None: ``model.rows_per_pass``, the cache rule
+    of ``core.sizing``). The per-example losses are summed in float64, so the chunking moves the loss by float32
+    rounding of the logits at most, and the accuracy only where two logits nearly tie.
+    """
     was_training = model.module.training
     model.module.eval()
+    chunk = batch_size or model.rows_per_pass(tuple(x.shape[1:]), x.dtype)
     correct, loss_sum = 0, 0.0
-    for i in range(0, len(y), batch_size):
-        logits = model.logits(params, x[i : i + batch_size])
-        loss_sum += float(F.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
-        correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
+    for i in range(0, len(y), chunk):
+        logits = model.logits(params, x[i : i + chunk])
+        loss_sum += float(F.cross_entropy(logits, y[i : i + chunk], reduction="none").double().sum())
+        correct += int((logits.argmax(1) == y[i : i + chunk]).sum())
     model.module.train(was_training)
     n = max(len(y), 1)
     return {"acc": correct / n, "loss": loss_sum / n}

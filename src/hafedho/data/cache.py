@@ -1,4 +1,7 @@
-"""The decoded-array cache: a reader's arrays memoised as an ``.npz``, keyed by the source file's identity."""
+"""The decoded-array cache: a reader's arrays memoised as an ``.npz``, keyed by the source file's identity, and
+the last ``MEMO_ENTRIES`` of them kept in memory, so that a sweep worker that runs many runs reads its data
+once (the key still sees an edited or replaced source). Arrays served from memory are read-only: no run can
+change the data another run sees."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import os
 import tempfile
 import zipfile
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +20,8 @@ __all__ = ["cache_dir", "cached"]
 
 # Bump when the layout of cached arrays changes, so stale caches are rebuilt rather than misread.
 _CACHE_VERSION = 1
+MEMO_ENTRIES = 2  # data sets kept in memory per process (a CIFAR-10 copy is 150 MB)
+_MEMO: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # cache file -> its arrays
 
 
 def cache_dir() -> Path:
@@ -51,6 +57,19 @@ def cached(
     """
     key = hashlib.sha256(f"{_CACHE_VERSION}\0{kind}\0{options}\0{_fingerprint(path)}".encode()).hexdigest()
     target = cache_dir() / f"{kind}-{path.name}-{key[:20]}.npz"
+    if str(target) in _MEMO:
+        _MEMO.move_to_end(str(target))
+        return dict(_MEMO[str(target)]), True
+    arrays, hit = _load_or_build(target, build)
+    for a in arrays.values():
+        a.setflags(write=False)
+    _MEMO[str(target)] = arrays
+    while len(_MEMO) > MEMO_ENTRIES:
+        _MEMO.popitem(last=False)
+    return dict(arrays), hit
+
+
+def _load_or_build(target: Path, build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
     if target.is_file():
         try:
             with np.load(target, allow_pickle=False) as z:

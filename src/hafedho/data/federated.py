@@ -7,6 +7,7 @@ drawn from a generator seeded by (seed, round, client), and one gather from the 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,15 @@ def split_local_test(parts: list[np.ndarray], fraction: float, seed: int) -> tup
     return train, test
 
 
+def _tensor(a: np.ndarray) -> Tensor:
+    """``a`` as a tensor sharing its memory. A read-only array (the decoded-data memo's, ``data.cache``) is
+    shared too: the training tensors are only ever read (gathered into batches), never written."""
+    a = np.ascontiguousarray(a)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
 class FederatedData:
     """Train/test tensors plus the partition, producing each client's ``ClientData`` for a round.
 
@@ -100,10 +110,10 @@ class FederatedData:
         local_test: list[np.ndarray] | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.x_train = torch.from_numpy(np.ascontiguousarray(x_train))
-        self.y_train = torch.from_numpy(np.ascontiguousarray(y_train)).long()
-        self.x_test_raw = torch.from_numpy(np.ascontiguousarray(x_test))
-        self.y_test = torch.from_numpy(np.ascontiguousarray(y_test)).long()
+        self.x_train = _tensor(x_train)
+        self.y_train = _tensor(y_train).long()
+        self.x_test_raw = _tensor(x_test)
+        self.y_test = _tensor(y_test).long()
         self.parts = [np.asarray(p, dtype=np.int64) for p in parts]
         self.local_test = local_test  # per-client held-out train indices (personalised evaluation), or None
         self.sizes = np.array([len(p) for p in self.parts], dtype=np.int64)

@@ -53,13 +53,15 @@ class FullGradients(NamedTuple):
 def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tuple[int, ...] = ()) -> FullGradients:
     """grad f_j(params) of the plain loss over client j's whole training data, for every client j, folded into the
     uniform and the data-size aggregates as it goes (float64 sums: memory is two parameter copies plus the
-    ``keep`` clients' own gradients, never N). Client j's data comes in masked blocks of the batch size B, as a
-    full-pass algorithm's ``data.full`` (``FederatedData.full_data``, ``core.full_gradient``); see the module
-    docstring for the training mode and the seeds."""
+    ``keep`` clients' own gradients, never N). Client j's data comes in masked blocks (``FederatedData.full_data``,
+    ``core.full_gradient``) of equal size, at most ``model.rows_per_pass`` rows (the cache rule of ``core.sizing``:
+    blocks of the batch size B, as before, ran 1.6x slower on LeNet-5); see the module docstring for the
+    training mode and the seeds."""
     fed, model = exp.fed, exp.model
     n = fed.num_clients
     p = fed.sizes.astype(np.float64) / float(fed.sizes.sum())
     keep_set = set(int(c) for c in keep)
+    most = model.rows_per_pass(fed.input_shape, fed.dtype)  # rows per block: the cache rule of core.sizing
     sums = {w: {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()} for w in WEIGHTINGS}
     fsum = {w: torch.zeros((), dtype=torch.float64) for w in WEIGHTINGS}
     own: dict[int, tuple[Params, Tensor]] = {}
@@ -69,7 +71,7 @@ def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tu
         try:
             for j in range(n):
                 torch.manual_seed(seed_for(exp.cfg.seed, "full_gradient", t, j))
-                g, f = full_gradient(model, params, fed.full_data(j, exp.plan.batch_size))
+                g, f = full_gradient(model, params, fed.full_data(j, _block(int(fed.sizes[j]), most)))
                 g, f = tree.detach(g), f.detach()
                 g64, f64 = _f64(g), f.double()  # once per client, for both weightings
                 for w, a in (("uniform", 1.0 / n), ("data_size", float(p[j]))):
@@ -80,6 +82,12 @@ def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tu
         finally:
             model.train(was_training)
     return FullGradients(sums, fsum, own)
+
+
+def _block(n: int, most: int) -> int:
+    """Rows per block for a client of ``n`` rows: ceil(n / most) blocks of equal size (at most ``most`` rows),
+    so the padding of the last block is under one row per block."""
+    return math.ceil(n / math.ceil(n / most))
 
 
 def _f64(x: Params) -> Params:

@@ -11,9 +11,9 @@ from tqdm import tqdm
 
 from hafedho.experiment import Experiment
 from hafedho.results import RunDirError, read_metrics
-from hafedho.rounds import Divergence, ServerRounds, run_facts
+from hafedho.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
 from hafedho.rundir import RunDir
-from hafedho.sim.engines.base import Engine, RoundWork
+from hafedho.sim.engines.base import Engine, RoundWork, available_cores
 from hafedho.sim.engines.registry import engine_for
 from hafedho.sim.fullgrad import prepare_round
 from hafedho.sim.store import ClientStore
@@ -69,6 +69,26 @@ def _interrupted_text(run_dir: Path) -> str:
     return f"{run_dir}: interrupted at round {done}; continue with --resume ({how})"
 
 
+class _Threads:
+    """A reusable ``with`` block that runs under ``n`` torch threads and restores the setting after."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.previous = n, n
+
+    def __enter__(self) -> None:
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.previous)
+
+
+def server_threads(engine: Engine) -> int:
+    """Torch threads for the runner's own passes (evaluation, the full-data pass, the start loss): the run's,
+    or every core an engine's workers hold (``engine.cores``, the process engine's), since they idle meanwhile."""
+    return max(torch.get_num_threads(), min(int(getattr(engine, "cores", 0)), available_cores()))
+
+
 def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
     cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
     if rd.prepare(cfg, resume, force):
@@ -86,17 +106,22 @@ def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool,
     rd.truncate(start - 1)  # rounds after the checkpoint are recomputed identically
 
     rounds = ServerRounds(exp, server, rd, start, wall)
-    plan = exp.plan
+    plan, idle = exp.plan, _Threads(server_threads(engine))
     bar = tqdm(range(start, cfg.rounds + 1), desc=cfg.run_name, disable=not progress, leave=False)
     for t in bar:
         cohort = exp.cohort(t)
         rnd, msg = rounds.begin(t, len(cohort))
         # the full-data pass where the algorithm or [diagnostics] asks for it (sim/fullgrad.py); else nothing
-        msg, diag, untimed = prepare_round(exp, alg.eval_params(rounds.server), msg, rnd, cohort.tolist(), store)
+        with idle:
+            msg, diag, untimed = prepare_round(exp, alg.eval_params(rounds.server), msg, rnd, cohort.tolist(), store)
         rounds.untimed(untimed)
         out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
+        if t <= BLOWUP_ROUNDS:
+            with idle:  # the early blow-up guard's reference loss, once per run
+                rounds.start_loss()
         row = rounds.finish_round(t, out, len(cohort), len(cohort), **diag)
-        ev = rounds.evaluate(t, row, store.gather)
+        with idle:
+            ev = rounds.evaluate(t, row, store.gather)
         if ev is not None:
             bar.set_postfix(acc=f"{ev['acc']:.3f}")
         rounds.commit(t, row, store)

@@ -250,6 +250,7 @@ class ProcessEngine:
         if workers < 0:
             raise ValueError(f"workers={workers}: must be >= 0 (0 = one per core)")
         self.workers = workers or available_cores()
+        self.cores = self.workers  # idle between rounds: the runner evaluates on them (runner.server_threads)
         self.channels_last = channels_last
         self.start_method = start_method or default_start_method()
         self._pool: _Pool | None = None
