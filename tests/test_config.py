@@ -70,7 +70,7 @@ def test_only_the_selected_algorithms_table_is_kept() -> None:
 
 def test_the_runtime_half_is_declared_on_the_fields() -> None:
     """``runtime_hp`` marks how, where and how long a run runs; everything else is the experiment."""
-    runtime = {"rounds", "eval_every", "checkpoint_every", "engine", "workers", "vmap_chunk", "threads"}
+    runtime = {"rounds", "eval_every", "checkpoint_every", "engine", "workers", "vmap_chunk", "threads", "compile"}
     assert {*runtime, "client_store", "name", "out", "log"} == RUNTIME_KEYS
     assert all(f.metadata["help"] for f in dataclasses.fields(Config) if f.name in RUNTIME_KEYS)  # still hp()s
     ident = experiment_identity(load_config(None))

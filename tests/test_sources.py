@@ -506,6 +506,7 @@ def test_stale_femnist_cache_with_nan_is_refused(tmp_path: Path, monkeypatch: py
 
     def stale(kind, path, options, build):  # as a cache written before the check existed would be read back
         arrays, _ = real(kind, path, options, build)
+        arrays = {k: v.copy() for k, v in arrays.items()}  # the memo's arrays are read-only
         arrays["x_test"][0, 0, 0, 0] = np.nan
         return arrays, True
 

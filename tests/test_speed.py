@@ -139,3 +139,59 @@ def test_a_warm_worker_computes_a_run_as_a_cold_one(tmp_path: Path, monkeypatch:
     assert run_spec(dataclasses.replace(cfg_b), str(tmp_path / "warm")).status == "done"  # data from memory
     assert len(cache._MEMO) == 1
     assert _rows(tmp_path / "warm") == _rows(tmp_path / "cold")
+
+
+def _compile_run(tmp_path: Path, name: str, mode: str) -> Path:
+    from hafedho.cli import main
+
+    out = tmp_path / name
+    assert main(["run", str(SMOKE), "--out", str(out), "--quiet", f"compile={mode}", "model.name=mlp"]) in (0, None)
+    (run_dir,) = [p for p in out.iterdir() if not p.name.startswith(".")]
+    return run_dir
+
+
+def test_compile_falls_back_to_eager_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    eager = _compile_run(tmp_path, "eager", "off")
+
+    def unavailable(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("InductorError: no working C++ compiler found\nmore lines")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", unavailable)
+    capsys.readouterr()
+    fallback = _compile_run(tmp_path, "fallback", "all")
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if "warning" in line]
+    assert lines == [
+        "warning: compile: torch.compile is unavailable here (RuntimeError: InductorError: no working C++ compiler "
+        "found); running eager"
+    ]
+    assert _rows(fallback) == _rows(eager)  # eager from the first call on: the same bits
+    assert fallback.name == eager.name  # a runtime setting: never part of the run's identity
+
+
+@pytest.mark.slow
+def test_compiled_local_steps_and_evaluation_agree_with_eager_within_the_float32_bound() -> None:
+    """A real torch.compile (minutes on a cold cache): local steps and evaluation of a smoothed LeNet-5."""
+    from tolerance import fp32_close, longest_reduction, smooth
+
+    from hafedho.core.local import local_train, plain_objective, sgd
+    from hafedho.core.types import ClientData
+
+    torch.manual_seed(0)
+    model = FunctionalModel(smooth(LeNet5((1, 28, 28), 62)))
+    params = model.params()
+    steps, x = 3, torch.randn(3, 20, 1, 28, 28)
+    data = ClientData(x, torch.randint(0, 62, (3, 20)), torch.ones(3, 20))
+    test_x, test_y = torch.randn(300, 1, 28, 28), torch.randint(0, 62, (300,))
+    eager = local_train(plain_objective(model), params, data, sgd(0.1))
+    eager_ev = evaluate(model, params, test_x, test_y)
+    model.use_compile("all", on_fallback=lambda text: pytest.fail(text))
+    compiled = local_train(plain_objective(model), params, data, sgd(0.1))
+    compiled_ev = evaluate(model, params, test_x, test_y)
+    fp32_close(compiled.params, eager.params, reduction=longest_reduction(model.module, x[0]), steps=steps)
+    assert abs(compiled_ev["loss"] - eager_ev["loss"]) <= 1e-5 * eager_ev["loss"]

@@ -116,6 +116,13 @@ class Config:
         "shared among a sweep's jobs. 1 by default: see README, Performance",
         ge=0,
     )
+    compile: str = runtime_hp(
+        "off",
+        "torch.compile the model's forward for evaluation, local steps (and full-data passes) or all; loop "
+        "engine and evaluation (vmap and process workers run eager); where it cannot compile, one warning line "
+        "and eager",
+        choices=("off", "eval", "steps", "all"),
+    )
     client_store: str = runtime_hp(
         "auto",
         "per-client state in RAM or memory-mapped on disk; auto = disk above 2 GiB",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,25 @@ class FunctionalModel:
         self.buffers = dict(module.named_buffers())
         self.weight_decay = weight_decay
         self._rows: dict[tuple, int] = {}  # (row shape, dtype) -> rows_per_pass
+        self.compile_for: tuple[bool, ...] = ()  # grad modes whose forward runs compiled (use_compile)
+        self._compiled: Any = None
+        self._compiled_ok: set[bool] = set()
+        self._on_fallback: Callable[[str], None] | None = None
+
+    def use_compile(self, what: str, on_fallback: Callable[[str], None] | None = None) -> None:
+        """Run the forward through ``torch.compile`` for evaluation (``"eval"``), for local steps and full-data
+        passes (``"steps"``, autograd through the compiled graph) or both (``"all"``); ``"off"`` is eager.
+
+        Only outside functorch transforms: under ``vmap`` the forward stays eager. Where compilation fails (no C++
+        compiler, a module dynamo cannot trace), the first call says so in one line through ``on_fallback``
+        (default: stderr) and the model runs eager from then on. Results agree with eager within the float32
+        bound of ``tests/tolerance.py``: the compiled kernels fuse and reorder float operations.
+        """
+        self.compile_for = {"off": (), "eval": (False,), "steps": (True,), "all": (False, True)}[what]
+        self._compiled, self._compiled_ok, self._on_fallback = None, set(), on_fallback
+
+    def __getstate__(self) -> dict[str, Any]:  # a compiled function does not pickle: a worker compiles its own
+        return {**self.__dict__, "_compiled": None, "_compiled_ok": set(), "_on_fallback": None}
 
     def rows_per_pass(self, row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Rows of ``row_shape`` that one pass takes at once (``core.sizing``'s cache rule), measured once."""
@@ -47,7 +69,27 @@ class FunctionalModel:
         return {k: v.detach().clone() for k, v in self.module.named_parameters()}
 
     def logits(self, params: Params, x: Tensor) -> Tensor:
+        compiled = self.compile_for and torch.is_grad_enabled() in self.compile_for
+        if compiled and not torch._C._are_functorch_transforms_active():
+            return self._compiled_logits(params, x)
         return functional_call(self.module, (params, self.buffers), (x,))
+
+    def _compiled_logits(self, params: Params, x: Tensor) -> Tensor:
+        mode = torch.is_grad_enabled()
+        if self._compiled is None:
+            self._compiled = torch.compile(lambda p, b, x: functional_call(self.module, (p, b), (x,)), dynamic=False)
+        try:
+            out = self._compiled(params, self.buffers, x)
+        except Exception as e:
+            if mode in self._compiled_ok:  # it compiled and ran before: a real error of this call
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            self.compile_for = ()
+            text = f"compile: torch.compile is unavailable here ({type(e).__name__}: {first}); running eager"
+            (self._on_fallback or (lambda t: print(f"warning: {t}", file=sys.stderr)))(text)
+            return functional_call(self.module, (params, self.buffers), (x,))
+        self._compiled_ok.add(mode)
+        return out
 
     def features(self, params: Params, x: Tensor) -> tuple[Tensor, Tensor]:
         return functional_call(self.module, (params, self.buffers), (x,), {"return_features": True})
@@ -83,15 +125,20 @@ def evaluate(model: FunctionalModel, params: Params, x: Tensor, y: Tensor, batch
     """Accuracy and mean cross-entropy of ``params`` on ``(x, y)`` in eval mode (no dropout).
 
     ``x`` goes through the model in chunks of ``batch_size`` rows (None: ``model.rows_per_pass``, the cache rule
-    of ``core.sizing``). The per-example losses are summed in float64, so the chunking moves the loss by float32
-    rounding of the logits at most, and the accuracy only where two logits nearly tie.
+    of ``core.sizing``; under a compiled forward the last chunk is padded with zero rows, outputs dropped). The
+    per-example losses are summed in float64, so the chunking moves the loss by float32 rounding of the logits at
+    most, and the accuracy only where two logits nearly tie.
     """
     was_training = model.module.training
     model.module.eval()
     chunk = batch_size or model.rows_per_pass(tuple(x.shape[1:]), x.dtype)
+    pad = False in model.compile_for  # a compiled forward sees one shape: the last chunk padded to a whole one
     correct, loss_sum = 0, 0.0
     for i in range(0, len(y), chunk):
-        logits = model.logits(params, x[i : i + chunk])
+        rows = x[i : i + chunk]
+        if pad and len(rows) < chunk:
+            rows = torch.cat([rows, rows.new_zeros((chunk - len(rows), *rows.shape[1:]))])
+        logits = model.logits(params, rows)[: len(y[i : i + chunk])]
         loss_sum += float(F.cross_entropy(logits, y[i : i + chunk], reduction="none").double().sum())
         correct += int((logits.argmax(1) == y[i : i + chunk]).sum())
     model.module.train(was_training)

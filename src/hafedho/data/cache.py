@@ -21,7 +21,7 @@ __all__ = ["cache_dir", "cached"]
 # Bump when the layout of cached arrays changes, so stale caches are rebuilt rather than misread.
 _CACHE_VERSION = 1
 MEMO_ENTRIES = 2  # data sets kept in memory per process (a CIFAR-10 copy is 150 MB)
-_MEMO: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # cache file -> its arrays
+_MEMO: OrderedDict[str, tuple[tuple[int, int] | None, dict[str, np.ndarray]]] = OrderedDict()  # file -> stat, arrays
 
 
 def cache_dir() -> Path:
@@ -57,16 +57,25 @@ def cached(
     """
     key = hashlib.sha256(f"{_CACHE_VERSION}\0{kind}\0{options}\0{_fingerprint(path)}".encode()).hexdigest()
     target = cache_dir() / f"{kind}-{path.name}-{key[:20]}.npz"
-    if str(target) in _MEMO:
+    memo = _MEMO.get(str(target))
+    if memo is not None and memo[0] == _stat(target):  # the cache file as it was read: not replaced since
         _MEMO.move_to_end(str(target))
-        return dict(_MEMO[str(target)]), True
+        return dict(memo[1]), True
     arrays, hit = _load_or_build(target, build)
     for a in arrays.values():
         a.setflags(write=False)
-    _MEMO[str(target)] = arrays
+    _MEMO[str(target)] = (_stat(target), arrays)
     while len(_MEMO) > MEMO_ENTRIES:
         _MEMO.popitem(last=False)
     return dict(arrays), hit
+
+
+def _stat(target: Path) -> tuple[int, int] | None:
+    try:
+        st = target.stat()
+    except OSError:  # not written (a read-only cache dir): the memo still holds the decoded arrays
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _load_or_build(target: Path, build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:

@@ -93,6 +93,7 @@ def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool,
     cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
     if rd.prepare(cfg, resume, force):
         return rd.rows()[-1]  # finished: nothing to do
+    model.use_compile(cfg.compile, on_fallback=lambda text: tqdm.write(f"warning: {text}"))
     rd.start(exp.partition, run_facts(exp, warn=lambda text: tqdm.write(f"warning: {text}")))
 
     params0 = model.params()
