@@ -39,6 +39,18 @@ def _csv(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+def shown_path(path: str | Path) -> str:
+    """``path`` as a report prints it: relative to the working directory when under it, else the folder's name
+    (never the absolute path of the machine that wrote the report)."""
+    p = Path(path)
+    if not p.is_absolute():
+        return p.as_posix()
+    try:
+        return p.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return p.name
+
+
 def write_report(
     runs_dir: str | Path,
     out: str | Path | None = None,
@@ -47,7 +59,8 @@ def write_report(
     title: str | None = None,
 ) -> ReportFiles:
     """Write results.md, report.html, summary.csv, rounds_to_target.csv, each table as .csv and .tex, and the
-    PNG figures into ``out`` (default: ``runs_dir``). With several sections, file names start with the section.
+    PNG figures into ``out`` (default: ``runs_dir``); report.html references the PNGs beside it. With several
+    sections, file names start with the section.
     ``title`` heads the page (default: ``Results from `RUNS_DIR` ``)."""
     from hafedho.report.plots import section_plots  # matplotlib only when figures are drawn
 
@@ -56,7 +69,8 @@ def write_report(
         raise ConfigError(f"{runs_dir}: no run directories with metrics and no sweep index (sweeps/*.json) found")
     out = Path(out or runs_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = [f"# {title or f'Results from `{runs_dir}`'}\n"]
+    shown = shown_path(runs_dir)
+    md = [f"# {title or f'Results from `{shown}`'}\n"]
     pages, tables_written, figures = [], [], []
     summary, rounds = [], []
     for section in sections:
@@ -86,5 +100,5 @@ def write_report(
             atomic_write_text(out / name, _csv(rows))
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
     html_path = out / "report.html"
-    atomic_write_text(html_path, page(title or "hafedho report", pages, f"{runs_dir}, generated {stamp}"))
+    atomic_write_text(html_path, page(title or "hafedho report", pages, out, f"{shown}, generated {stamp}"))
     return ReportFiles(out / "results.md", html_path, tables_written, figures, text, pages)

@@ -8,14 +8,17 @@ a seed counts once. A group's *row* is its label (algorithm, or a variant such a
 hyperparameters that vary between groups of that label; its *setting* (the column) is its grid point minus the
 algorithm axes, or for plain runs its flattened config minus the algorithm; runtime settings are never an axis.
 List- and table-valued settings are kept frozen (``FrozenList``, ``FrozenTable``: hashable, shown as ``[64]``,
-``{alpha = 1}``).
+``{alpha = 1}``). A message read from a run (its ``diverged`` marker, a failure) shows any absolute path into the
+run or the folder reported relative to that folder (``relative_paths``), never the absolute path of the machine
+that wrote it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hafedho.config import (
@@ -35,6 +38,8 @@ _CENTRAL_FREE = ("data.partition", "data.q", "data.num_clients", "data.min_size"
 # The global test metrics; a row with both exactly 0 was measured on no example (cross-entropy is > 0 on any
 # misclassified example), so it is no data, never 0%.
 TEST_METRICS = ("test/acc", "test/loss")
+# An absolute POSIX path inside a message: starts at "/" after a space, quote or the start, ends at white space.
+_ABS_PATH = re.compile(r"(?<![^\s'\"`(])/[^\s'\"`()<>,;]+")
 
 
 class FrozenList(tuple):
@@ -289,6 +294,39 @@ def _plain_section(run_dirs: list[Path], metric: str | None, last: int | None) -
     )
 
 
+def _under(path: Path, root: Path) -> PurePosixPath | None:
+    try:
+        return PurePosixPath(path.resolve().relative_to(root.resolve()).as_posix())
+    except ValueError:
+        return None
+
+
+def relative_paths(text: str, run_dir: Path, root: Path) -> str:
+    """``text`` with each absolute path under ``root``, or into the run's own folder, written relative to
+    ``root``. The run's folder is also found by its name, so a path written where the folder once lay (another
+    machine, another checkout) reads as the same relative path: ``RUN/checkpoint.pt``."""
+    run = _under(run_dir, root) or PurePosixPath(run_dir.name)
+
+    def rel(match: re.Match[str]) -> str:
+        token = match.group(0).rstrip(".")  # a sentence's full stop is not part of the path
+        trail = match.group(0)[len(token) :]
+        path = PurePosixPath(token)
+        inside = _under(Path(path), root)
+        if inside is None and run_dir.name in path.parts:
+            at = len(path.parts) - 1 - path.parts[::-1].index(run_dir.name)
+            inside = run.joinpath(*path.parts[at + 1 :])
+        return match.group(0) if inside is None else f"{inside}{trail}"
+
+    return _ABS_PATH.sub(rel, text)
+
+
+def _relative_messages(section: Section, base: Path, root: Path) -> None:
+    for g in section.groups:
+        for r in g.runs:
+            r.message = relative_paths(r.message, r.dir, root)
+    section.failed = {name: relative_paths(msg, base / name, root) for name, msg in section.failed.items()}
+
+
 def load_sections(root: str | Path, metric: str | None = None, last: int | None = None) -> list[Section]:
     """One section per sweep index under ``root``, then one for the run directories no sweep lists. ``metric``
     must be recorded by some run; ``last`` must be at least 1."""
@@ -298,6 +336,7 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
     sections, used = [], set()
     for index_path in find_indexes(root):
         section, dirs = _sweep_section(index_path, metric, last)
+        _relative_messages(section, runs_folder(index_path), root)
         sections.append(section)
         used |= dirs
     plain = sorted(
@@ -305,6 +344,7 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
     )
     if plain:
         sections.append(_plain_section(plain, metric, last))
+        _relative_messages(sections[-1], root, root)
     if metric is not None and sections:
         known = sorted(
             {k for s in sections for g in s.groups for r in g.runs for row in r.rows for k in row} - {"round"}
