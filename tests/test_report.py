@@ -324,7 +324,7 @@ def test_one_seed_shows_no_spread() -> None:
     assert pct(Stat([0.5, 0.7], 2)) == "60.00 ± 14.14"
 
 
-# ----------------------------------------------------------------------------- issue 11
+# ----------------------------------------------------------------------------- demo and plain runs
 
 
 def test_report_after_demo_and_plain_run_has_no_bookkeeping_axes(tmp_path: Path) -> None:

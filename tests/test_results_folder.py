@@ -1,4 +1,4 @@
-"""The committed results folder (issue #13, Budget): a finished run's small files only (config, metrics, partition,
+"""The committed results folder: a finished run's small files only (config, metrics, partition,
 run facts, env, the done/diverged marker; never checkpoints, client stores, locks or temporary files, which
 .gitignore keeps out) are enough: a sweep over them skips the runs, never reruns or rewrites them; `hafedho report`
 rebuilds the same tables from them; a run that must be extended without its checkpoint stops with one line."""
