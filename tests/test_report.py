@@ -532,8 +532,7 @@ def test_verdict_table_from_hand_made_runs(tmp_path: Path) -> None:
 def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
     """A table1-like sweep with HaFedHo's momentum twin (``hafedho sweep`` lists it as a row of its own, label
     hafedho-twin, with the index's ``twins``): the row reads "FedAvgM, β = λμ", sits beside HaFedHo, competes for
-    bold, is no "best baseline" and has its own lead row; the sweep's notes (cells with no twin) follow the table.
-    A fig3-like mu axis splits the twin rows by beta: "FedAvgM, β = λμ = 0.1"."""
+    bold, is no "best baseline" and has its own lead row; the sweep's notes (cells with no twin) follow the table."""
     runs = []
     curves = {  # final = mean of the last 2 evaluations, seeds 0 and 1: + 0.02 * seed
         ("hafedho", "digits"): [0.5, 0.6, 0.7],
@@ -579,8 +578,12 @@ def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
     )
     rows = {r["row"] for r in csv.DictReader((tmp_path / "rep" / "summary.csv").open())}
     assert rows == {"hafedho", "FedAvgM, β = λμ", "fedavg"}
-    # fig3-like: one column, HaFedHo's mu axis, so beta varies within it and splits the twin's rows
-    root = tmp_path / "f3"
+
+
+def test_momentum_twin_rows_split_by_beta_along_a_mu_axis(tmp_path: Path) -> None:
+    """A fig3-like sweep: one column and HaFedHo's mu axis, so beta varies within it and splits the twin's rows
+    ("FedAvgM, β = λμ = 0.1"); the accuracy-vs-mu figure draws the twin at mu = beta / lambda."""
+    root = tmp_path
     runs = []
     for mu, beta, v, w in ((0.01, 0.1, 0.6, 0.55), (0.05, 0.5, 0.7, 0.72)):
         point = {"algorithm.name": "hafedho", "algorithm.hafedho.mu": mu}

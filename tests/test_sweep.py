@@ -24,20 +24,8 @@ from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, read_index, write_index
 from hafedho.sweep.presets import PRESET_DIR, SCALES, list_presets, load_preset
 
-PAPER = [
-    "converge",
-    "estimation",
-    "fig2",
-    "fig3",
-    "hetero",
-    "ideal",
-    "momentum",
-    "synthetic",
-    "table1",
-    "table2",
-    "table3",
-    "tune",
-]
+# Every paper preset, read off the presets folder (a new preset is one file there: no list to extend here).
+PAPER = sorted(p.stem for p in PRESET_DIR.glob("*.toml") if not p.stem.startswith("_"))
 
 TINY = """
 seeds = 2
@@ -67,7 +55,9 @@ def tiny(tmp: Path, grid: str = '"algorithm.name" = ["hafedho", "fedavg"]', extr
 
 
 def test_packaged_presets() -> None:
-    assert list_presets() == PAPER
+    """`hafedho sweep list` finds every preset file and none of the shared parts (``_common``, ``_tuned``)."""
+    assert list_presets() == PAPER and {"table1", "tune"} <= set(PAPER)
+    assert (PRESET_DIR / "_common.toml").exists() and "_common" not in list_presets()
 
 
 @pytest.mark.parametrize("scale", SCALES)
