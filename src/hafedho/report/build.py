@@ -12,6 +12,7 @@ from typing import Any
 from hafedho.config import ConfigError
 from hafedho.report.html import SectionPage, page
 from hafedho.report.layout import Layout
+from hafedho.report.paths import shown_path
 from hafedho.report.runs import load_sections
 from hafedho.report.summary import rounds_rows, summary_rows
 from hafedho.report.table import Table
@@ -37,18 +38,6 @@ def _csv(rows: list[dict[str, Any]]) -> str:
     w.writeheader()
     w.writerows(rows)
     return buf.getvalue()
-
-
-def shown_path(path: str | Path) -> str:
-    """``path`` as a report prints it: relative to the working directory when under it, else the folder's name
-    (never the absolute path of the machine that wrote the report)."""
-    p = Path(path)
-    if not p.is_absolute():
-        return p.as_posix()
-    try:
-        return p.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return p.name
 
 
 def write_report(

@@ -16,9 +16,8 @@ that wrote it.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from hafedho.config import (
@@ -30,6 +29,7 @@ from hafedho.config import (
     flatten,
     read_toml,
 )
+from hafedho.report.paths import relative_paths
 from hafedho.results import read_metrics
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
 
@@ -38,8 +38,6 @@ _CENTRAL_FREE = ("data.partition", "data.q", "data.num_clients", "data.min_size"
 # The global test metrics; a row with both exactly 0 was measured on no example (cross-entropy is > 0 on any
 # misclassified example), so it is no data, never 0%.
 TEST_METRICS = ("test/acc", "test/loss")
-# An absolute POSIX path inside a message: starts at "/" after a space, quote or the start, ends at white space.
-_ABS_PATH = re.compile(r"(?<![^\s'\"`(])/[^\s'\"`()<>,;]+")
 
 
 class FrozenList(tuple):
@@ -292,32 +290,6 @@ def _plain_section(run_dirs: list[Path], metric: str | None, last: int | None) -
         named_axes=set(),
         groups=_group(runs),
     )
-
-
-def _under(path: Path, root: Path) -> PurePosixPath | None:
-    try:
-        return PurePosixPath(path.resolve().relative_to(root.resolve()).as_posix())
-    except ValueError:
-        return None
-
-
-def relative_paths(text: str, run_dir: Path, root: Path) -> str:
-    """``text`` with each absolute path under ``root``, or into the run's own folder, written relative to
-    ``root``. The run's folder is also found by its name, so a path written where the folder once lay (another
-    machine, another checkout) reads as the same relative path: ``RUN/checkpoint.pt``."""
-    run = _under(run_dir, root) or PurePosixPath(run_dir.name)
-
-    def rel(match: re.Match[str]) -> str:
-        token = match.group(0).rstrip(".")  # a sentence's full stop is not part of the path
-        trail = match.group(0)[len(token) :]
-        path = PurePosixPath(token)
-        inside = _under(Path(path), root)
-        if inside is None and run_dir.name in path.parts:
-            at = len(path.parts) - 1 - path.parts[::-1].index(run_dir.name)
-            inside = run.joinpath(*path.parts[at + 1 :])
-        return match.group(0) if inside is None else f"{inside}{trail}"
-
-    return _ABS_PATH.sub(rel, text)
 
 
 def _relative_messages(section: Section, base: Path, root: Path) -> None:
