@@ -127,7 +127,7 @@ def test_lower_clip_and_both_spreads_with_unequal_weights() -> None:
         assert torch.allclose(new.params["l2.weight"], torch.tensor([3.0, -5.0]) * 0.4814560, atol=1e-6)
 
 
-def test_the_issue_example_official_spread_is_not_bounded_by_the_weighted_one() -> None:
+def test_the_official_spread_is_not_bounded_by_the_weighted_one() -> None:
     """Weights (0.99, 0.01), updates 0 and 1 (layer l1: Delta_A = 0, Delta_B = (1, 0 | 0); l2 identical clients).
     official tau = (0.5 + 0.5)/2 = 0.5; weighted_std tau = sqrt(0.01 - 0.01^2) = sqrt(0.99 * 0.01) = 0.0994987.
     With beta = 0.1 (official beta tau = 0.05, inside the clip): Delta^{l1} = (0.01, 0 | 0), ||Delta|| = 0.01,

@@ -8,6 +8,7 @@ bound; integer columns (round, cohort size, bytes) must be equal.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +53,36 @@ def test_results_match_the_golden_set(golden: tuple[dict, dict]) -> None:
                     assert abs(gv - wv) <= METRIC_RTOL * max(1.0, abs(wv)), f"{key} round {wr['round']} {k}"
         for part in ("server", "store"):
             fp32_close(g[part], w[part], reduction=REDUCTION, steps=STEPS, what=f"{key} {part}")
+
+
+def test_record_adds_only_the_missing_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``golden.py record`` computes only the entries the set lacks (a new algorithm, on another CPU) and keeps
+    every other entry's bits and recorder; an algorithm no longer registered is dropped; ``--all`` rewrites all."""
+    import golden
+
+    calls: list[list[str]] = []
+
+    def fake_compute(keys: list[str] | None = None) -> dict:
+        calls.append(list(keys or []))
+        n = float(len(calls))
+        return {k: {"rows": [{"round": 1, "loss": n}], "server": [torch.tensor([n])], "store": []} for k in keys or []}
+
+    keys = ["a/loop", "b/loop"]
+    monkeypatch.setattr(golden, "compute", fake_compute)
+    monkeypatch.setattr(golden, "wanted", lambda: list(keys))
+    path = tmp_path / "set.pt"
+    assert golden.main(["record", str(path)]) == 0  # no set yet: every entry
+    first = torch.load(path, weights_only=True)
+    keys[1:] = ["c/loop"]  # b removed from the registry, c added
+    monkeypatch.setattr(golden, "cpu_name", lambda: "another CPU")
+    assert golden.main(["record", str(path)]) == 0
+    second = torch.load(path, weights_only=True)
+    assert calls == [["a/loop", "b/loop"], ["c/loop"]] and list(second["runs"]) == ["a/loop", "c/loop"]
+    assert second["runs"]["a/loop"]["rows"] == first["runs"]["a/loop"]["rows"] == [{"round": 1, "loss": 1.0}]
+    assert torch.equal(second["runs"]["a/loop"]["server"][0], first["runs"]["a/loop"]["server"][0])
+    assert second["entry_meta"]["a/loop"] == first["entry_meta"]["a/loop"] == first["meta"]
+    assert second["entry_meta"]["c/loop"]["cpu"] == "another CPU" and second["meta"] == first["meta"]
+    assert golden.main(["record", "--all", str(path)]) == 0
+    assert calls[-1] == ["a/loop", "c/loop"] and torch.load(path, weights_only=True)["runs"]["a/loop"]["rows"] == [
+        {"round": 1, "loss": 3.0}
+    ]

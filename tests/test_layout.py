@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md: core imports nothing else of the package; algorithms import only core, and
+"""The import rules of docs/architecture.md: core imports nothing else of the package; algorithms import only core, and
 FedAvg's module (the base class the other algorithms subclass); data does not import the simulator; engines
 import only their base; Flower does not import the simulator's runner; no import cycle anywhere."""
 
@@ -203,3 +203,12 @@ def test_flower_and_the_shared_round_code_do_not_import_the_simulators_runner(pa
     """One round loop: Flower and the simulator share ``rounds``/``rundir``/``experiment``; neither those nor
     Flower reach into the simulator's own loop (``hafedho.sim.runner``)."""
     assert "hafedho.sim.runner" not in imported_names(path), imported_names(path)
+
+
+def test_the_readmes_layout_block_names_every_module() -> None:
+    """README.md's Layout block lists every package and top-level module of src/hafedho (``__main__`` aside)."""
+    text = (SRC.parents[1] / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n```\n", 2)[1]
+    named = set(re.findall(r"src/hafedho/(\w+)", text)) | set(re.findall(r"\b(\w+)\.py:", text))
+    modules = {p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_")}
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    assert modules | packages <= named, sorted((modules | packages) - named)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from hafedho.report.stats import Stat, final_value, rounds_to
 from hafedho.report.summary import summary_rows
 from hafedho.report.tables import section_tables
 from hafedho.report.tables.rounds import rounds_tables
-from hafedho.sweep.index import IndexEntry, SweepIndex
+from hafedho.sweep.index import IndexEntry, SweepIndex, read_index
 
 
 def make_run(
@@ -188,10 +189,58 @@ def test_plots_and_html_are_written(tmp_path: Path) -> None:
     for f in files.figures:
         assert f.stat().st_size > 5000
     page = files.html.read_text()
-    assert page.count("data:image/png;base64,") == 2 and "<b>70.00 ± 7.07 (1/3 diverged)</b>" in page
-    assert 'src="http' not in page and "<link" not in page  # self-contained
+    assert "<b>70.00 ± 7.07 (1/3 diverged)</b>" in page
+    assert 'src="http' not in page and "<link" not in page  # nothing from the network
     md = files.markdown.read_text()
     assert "| diverged | 1 |" in md and "hafedho-digits-q0.1-s2: run diverged at round 4" in md
+
+
+def images(page: Path) -> list[Path]:
+    """The files a page's ``<img>`` tags reference, resolved against the page's folder."""
+    return [page.parent / src for src in re.findall(r'<img [^>]*src="([^"]+)"', page.read_text())]
+
+
+def test_the_html_page_references_the_pngs_beside_it(tmp_path: Path) -> None:
+    """report.html holds no copy of a figure: each <img> names a PNG written beside it, so a regenerated report
+    adds no second copy of its figures to a repository."""
+    sweep_fixture(tmp_path)
+    files = write_report(tmp_path, tmp_path / "rep")
+    assert "data:image" not in files.html.read_text()
+    assert images(files.html) == files.figures and all(
+        f.is_file() and f.parent == files.html.parent for f in files.figures
+    )
+    assert files.html.stat().st_size < 20_000  # tables only; the two figures are > 5,000 bytes each
+
+
+def test_absolute_paths_read_from_runs_are_shown_relative_to_the_folder(tmp_path: Path) -> None:
+    """A diverged marker (and a failure the index records) that quotes an absolute path, written here or on a
+    machine where the folder lay elsewhere: the report prints it relative to the folder it reports."""
+    root = tmp_path / "results" / "paper"
+    here, there = "fedavg-digits-s0", "fedavg-digits-s1"
+    runs = []
+    for s, name in enumerate((here, there)):
+        make_run(root, name, "fedavg", s, [0.1, 0.2], status="diverged")
+        runs.append({"dir": name, "label": "fedavg", "seed": s, "point": {}})
+    runs.append({"dir": "fedavg-digits-s2", "label": "fedavg", "seed": 2, "point": {}})  # never started: failed
+    elsewhere = "/home/someone/checkout/results/paper"
+    (root / here / "diverged").write_text(
+        f"run diverged at round 2; last good checkpoint: round 1 in {root / here}/checkpoint.pt\n"
+    )
+    (root / there / "diverged").write_text(
+        f"run diverged at round 2; checkpoint in {elsewhere}/{there}/checkpoint.pt.\n"
+    )
+    write_index(root, "t", runs, {"last": 1}, [])
+    index = read_index(root / "sweeps" / "t.json")
+    index.failed = {"fedavg-digits-s2": f"cannot extend {elsewhere}/fedavg-digits-s2 (no checkpoint); see /etc/hosts"}
+    index.write(root)
+    files = write_report(root, tmp_path / "rep")
+    md = files.markdown.read_text()
+    assert f"round 1 in {here}/checkpoint.pt" in md and f"checkpoint in {there}/checkpoint.pt." in md
+    assert "cannot extend fedavg-digits-s2 (no checkpoint); see /etc/hosts" in md  # a path elsewhere stays
+    for f in (files.markdown, files.html, *files.tables):
+        assert str(tmp_path) not in f.read_text() and elsewhere not in f.read_text(), f.name
+    assert main(["report", str(root.resolve()), "--out", str(tmp_path / "abs")]) == 0  # an absolute argument
+    assert str(tmp_path) not in (tmp_path / "abs" / "results.md").read_text()
 
 
 def test_hyperparameter_sweep_plot_and_best_table(tmp_path: Path) -> None:
@@ -275,7 +324,7 @@ def test_one_seed_shows_no_spread() -> None:
     assert pct(Stat([0.5, 0.7], 2)) == "60.00 ± 14.14"
 
 
-# ----------------------------------------------------------------------------- issue 11
+# ----------------------------------------------------------------------------- demo and plain runs
 
 
 def test_report_after_demo_and_plain_run_has_no_bookkeeping_axes(tmp_path: Path) -> None:
@@ -483,8 +532,7 @@ def test_verdict_table_from_hand_made_runs(tmp_path: Path) -> None:
 def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
     """A table1-like sweep with HaFedHo's momentum twin (``hafedho sweep`` lists it as a row of its own, label
     hafedho-twin, with the index's ``twins``): the row reads "FedAvgM, β = λμ", sits beside HaFedHo, competes for
-    bold, is no "best baseline" and has its own lead row; the sweep's notes (cells with no twin) follow the table.
-    A fig3-like mu axis splits the twin rows by beta: "FedAvgM, β = λμ = 0.1"."""
+    bold, is no "best baseline" and has its own lead row; the sweep's notes (cells with no twin) follow the table."""
     runs = []
     curves = {  # final = mean of the last 2 evaluations, seeds 0 and 1: + 0.02 * seed
         ("hafedho", "digits"): [0.5, 0.6, 0.7],
@@ -530,8 +578,12 @@ def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
     )
     rows = {r["row"] for r in csv.DictReader((tmp_path / "rep" / "summary.csv").open())}
     assert rows == {"hafedho", "FedAvgM, β = λμ", "fedavg"}
-    # fig3-like: one column, HaFedHo's mu axis, so beta varies within it and splits the twin's rows
-    root = tmp_path / "f3"
+
+
+def test_momentum_twin_rows_split_by_beta_along_a_mu_axis(tmp_path: Path) -> None:
+    """A fig3-like sweep: one column and HaFedHo's mu axis, so beta varies within it and splits the twin's rows
+    ("FedAvgM, β = λμ = 0.1"); the accuracy-vs-mu figure draws the twin at mu = beta / lambda."""
+    root = tmp_path
     runs = []
     for mu, beta, v, w in ((0.01, 0.1, 0.6, 0.55), (0.05, 0.5, 0.7, 0.72)):
         point = {"algorithm.name": "hafedho", "algorithm.hafedho.mu": mu}

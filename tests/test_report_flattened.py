@@ -1,4 +1,4 @@
-"""The final table's "flattened" column (`[report] flattened = true`, issue #13 item 6), from hand-made runs: the
+"""The final table's "flattened" column (`[report] flattened = true`), from hand-made runs: the
 slope of the seed-mean curve over the last 20% of rounds, in points per 100 rounds, computed by hand."""
 
 from __future__ import annotations

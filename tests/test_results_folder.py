@@ -1,4 +1,4 @@
-"""The committed results folder (issue #13, Budget): a finished run's small files only (config, metrics, partition,
+"""The committed results folder: a finished run's small files only (config, metrics, partition,
 run facts, env, the done/diverged marker; never checkpoints, client stores, locks or temporary files, which
 .gitignore keeps out) are enough: a sweep over them skips the runs, never reruns or rewrites them; `hafedho report`
 rebuilds the same tables from them; a run that must be extended without its checkpoint stops with one line."""
@@ -15,6 +15,7 @@ from helpers import SMOKE_PRESET_TABLES, no_wall
 from hafedho.cli import main
 from hafedho.report.build import write_report
 from hafedho.results import read_metrics
+from hafedho.sweep.browse import results_index
 from hafedho.sweep.execute import run_status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,3 +143,32 @@ def test_extending_a_committed_run_stops_with_one_line(
     after = read_metrics(full / done.name)
     assert [r["round"] for r in after] == [1, 2, 3, 4, 5] and no_wall(after[:3]) == no_wall(rows)
     assert run_status(full / done.name, 5) == "done" and run_status(full / done.name, 3) == "done"
+
+
+def test_the_results_index_lists_each_presets_runs(
+    swept: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hafedho sweep index` writes ROOT/README.md: per folder and preset its claim, its runs and how many are done
+    or diverged; a later sweep into a folder of that root refreshes it, and leaves a hand-written README alone."""
+    preset, out = swept
+    root = tmp_path / "results"
+    committed = commit_copy(out, root / "paper-cpu")
+    assert main(["sweep", "index", "--out", str(root)]) == 0
+    text = (root / "README.md").read_text()
+    assert "| [committed](#paper-cpu-committed-cpu) | committed | 2 | 1 | 1 | 0 | 0 | 0 |" in text
+    assert "### paper-cpu: committed (cpu)\n\n**committed.** a done and a diverged run" in text
+    for run in (p for p in committed.iterdir() if p.name != "sweeps"):
+        status = "done" if (run / "done").exists() else "diverged"
+        (line,) = [x for x in text.splitlines() if x.startswith(f"| [{run.name}](paper-cpu/{run.name}/) | scaffold")]
+        assert line.endswith(f" | 0 | {status} |")
+    (root / "README.md").write_text(text + "stale\n")
+    assert main(["sweep", str(preset), "--out", str(committed), "--quiet"]) == 0
+    assert (root / "README.md").read_text() == text and "index:" in capsys.readouterr().out
+    (root / "README.md").write_text("# notes by hand\n")
+    assert main(["sweep", str(preset), "--out", str(committed), "--quiet"]) == 0
+    assert (root / "README.md").read_text() == "# notes by hand\n"
+
+
+def test_the_committed_results_index_is_current() -> None:
+    """results/README.md says what results/ holds: regenerate it with `hafedho sweep index` after a sweep."""
+    assert (ROOT / "results" / "README.md").read_text() == results_index(ROOT / "results"), "hafedho sweep index"

@@ -26,7 +26,8 @@ from test_flower import finish, run_config, start_federation
 from hafedho.config import ConfigError
 from hafedho.core import RoundInfo, WeightedMean, tree
 from hafedho.flower.common import experiment
-from hafedho.flower.secagg import SecAggSettings, SecureRounds, check_algorithm, client_vector
+from hafedho.flower.secagg import SecAggSettings, check_algorithm, client_vector
+from hafedho.flower.secagg_server import SecureRounds
 from hafedho.flower.strategy import HafedhoStrategy
 from hafedho.results import read_metrics
 from hafedho.sim.engines.base import RoundWork

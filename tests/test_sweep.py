@@ -22,22 +22,10 @@ from hafedho.results import RunLock, read_metrics
 from hafedho.sweep.execute import run_spec, run_status, run_sweep
 from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, read_index, write_index
-from hafedho.sweep.presets import PRESET_DIR, SCALES, list_presets, load_preset
+from hafedho.sweep.presets import PRESET_DIR, SCALES, Preset, list_presets, load_preset
 
-PAPER = [
-    "converge",
-    "estimation",
-    "fig2",
-    "fig3",
-    "hetero",
-    "ideal",
-    "momentum",
-    "synthetic",
-    "table1",
-    "table2",
-    "table3",
-    "tune",
-]
+# Every paper preset, read off the presets folder (a new preset is one file there: no list to extend here).
+PAPER = sorted(p.stem for p in PRESET_DIR.glob("*.toml") if not p.stem.startswith("_"))
 
 TINY = """
 seeds = 2
@@ -67,7 +55,9 @@ def tiny(tmp: Path, grid: str = '"algorithm.name" = ["hafedho", "fedavg"]', extr
 
 
 def test_packaged_presets() -> None:
-    assert list_presets() == PAPER
+    """`hafedho sweep list` finds every preset file and none of the shared parts (``_common``, ``_tuned``)."""
+    assert list_presets() == PAPER and {"table1", "tune"} <= set(PAPER)
+    assert (PRESET_DIR / "_common.toml").exists() and "_common" not in list_presets()
 
 
 @pytest.mark.parametrize("scale", SCALES)
@@ -149,16 +139,21 @@ def test_overrides_replace_axes_or_apply_to_all() -> None:
 TWIN = '\n[[variants]]\nlabel = "hafedho-twin"\ntwin_of = "hafedho"\n'
 
 
-def test_momentum_twin_rows(tmp_path: Path) -> None:
-    """A twin beside every HaFedHo run where it is defined: FedAvgM, beta = lambda*mu of that run, uniform weights,
-    server_lr 1, the same lr, everything else identical, named as any fedavgm run (an identical grid run is shared,
-    listed under both labels); elsewhere a note says why there is none."""
+def twin_preset(tmp: Path) -> Preset:
+    """HaFedHo (mu x accumulate x mu_schedule, lambda = 3) and FedAvgM with a twin variant."""
     grid = (
         '"algorithm.name" = ["hafedho", "fedavgm"]\n"algorithm.hafedho.mu" = [0.1, 0.2, 0.4]\n'
         '"algorithm.hafedho.accumulate" = ["phi", "f"]\n"algorithm.hafedho.mu_schedule" = ["constant", "inverse_round"]'
     )
     extra = TWIN + '[base.algorithm.fedavgm]\nbeta = 0.3\nweighting = "uniform"\n'  # = the twin of mu = 0.1
-    preset = load_preset(str(tiny(tmp_path, grid=grid, extra=extra)))
+    return load_preset(str(tiny(tmp, grid=grid, extra=extra)))
+
+
+def test_momentum_twin_rows(tmp_path: Path) -> None:
+    """A twin beside every HaFedHo run where it is defined: FedAvgM, beta = lambda*mu of that run, uniform weights,
+    server_lr 1, the same lr, everything else identical, named as any fedavgm run (an identical grid run is shared,
+    listed under both labels); elsewhere a note says why there is none."""
+    preset = twin_preset(tmp_path)
     specs = expand(preset, seeds=1)
     twins = [s for s in specs if s.label == "hafedho-twin"]
     haf = {s.name: s for s in specs if s.label == "hafedho"}
@@ -188,7 +183,12 @@ def test_momentum_twin_rows(tmp_path: Path) -> None:
     index = read_index(write_index(preset, specs, tmp_path / "runs"))
     assert index.twins == {"hafedho-twin": "hafedho"} and index.notes == notes
     assert [e.label for e in index.runs if e.dir == shared.name] == ["hafedho-twin", "fedavgm"]
-    # data_size aggregation maps to data_size weighting; eta sets server_lr = eta / lr
+
+
+def test_a_twin_takes_hafedhos_weighting_and_server_step(tmp_path: Path) -> None:
+    """data_size aggregation maps to data_size weighting; eta sets server_lr = eta / lr. A twin variant with other
+    keys, or two of them, is refused in one line."""
+    preset = twin_preset(tmp_path)
     other = expand(
         preset,
         seeds=1,
@@ -370,7 +370,8 @@ def test_cpu_preset_full_grid_two_rounds(name: str, shared_data: Path, tmp_path:
     result = run_sweep(specs, jobs=2, progress=False)
     assert not result.failed, [(o.name, o.message) for o in result.failed]
     write_index(load_preset(name), specs, tmp_path)
-    assert write_report(tmp_path).html.stat().st_size > 10_000
+    files = write_report(tmp_path)
+    assert files.figures and all(f'src="{f.name}"' in files.html.read_text() for f in files.figures)
 
 
 def test_ctrl_c_ends_a_sweep_with_one_line(

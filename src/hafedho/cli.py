@@ -78,11 +78,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from hafedho.sweep.browse import refresh_results_index, write_results_index
     from hafedho.sweep.execute import Outcome, run_status, run_sweep
     from hafedho.sweep.expand import expand
     from hafedho.sweep.index import write_index
     from hafedho.sweep.presets import list_presets, load_preset
 
+    if args.preset == "index":
+        print(f"index: {write_results_index(args.out or 'results')}")
+        return 0
     if args.preset == "list":
         for name in list_presets():
             p = load_preset(name, args.scale)
@@ -114,6 +118,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for o in result.failed:
         print(f"hafedho: failed: {o.name}: {o.message}", file=sys.stderr)
     print(f"report: hafedho report {out}")
+    if (index := refresh_results_index(out)) is not None:
+        print(f"index:  {index}")
     return 1 if result.failed else 0
 
 
@@ -192,7 +198,9 @@ def parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=cmd_report)
     sw = sub.add_parser("sweep", help="run a preset's grid x seeds (skips done runs, resumes interrupted ones)")
     sw.add_argument(
-        "preset", help="a packaged preset (table1, ..., synthetic, tune; see `sweep list`), a .toml file, or 'list'"
+        "preset",
+        help="a packaged preset (table1, ..., synthetic, tune; see `sweep list`), a .toml file, 'list', or 'index' "
+        "(write --out's README.md, default results/: per folder and preset its runs and how many are done)",
     )
     sw.add_argument(
         "overrides",

@@ -14,7 +14,8 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from hafedho.flower.common import experiment, run_setting, set_threads
-from hafedho.flower.secagg import SecAggSettings, SecureRounds
+from hafedho.flower.secagg import SecAggSettings
+from hafedho.flower.secagg_server import SecureRounds
 from hafedho.flower.strategy import HafedhoStrategy
 
 app = ServerApp()

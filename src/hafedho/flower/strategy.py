@@ -235,8 +235,8 @@ class HafedhoStrategy(Strategy):
         return codec.encode(self.server), MetricRecord(numeric)
 
     def finish_train(self, server_round: int, out: CohortResult, used: int, reached: int, **extra: Any) -> dict:
-        """``ServerRounds.finish_round`` on the round's aggregate (plain, or SecAgg+'s in ``flower/secagg.py``);
-        the row waits for ``evaluate_global``."""
+        """``ServerRounds.finish_round`` on the round's aggregate (plain, or SecAgg+'s from
+        ``flower/secagg_server.py``); the row waits for ``evaluate_global``."""
         row = self.rounds.finish_round(server_round, out, used, reached, **extra)
         self._round["row"] = row
         return row

@@ -12,6 +12,7 @@ from typing import Any
 from hafedho.config import ConfigError
 from hafedho.report.html import SectionPage, page
 from hafedho.report.layout import Layout
+from hafedho.report.paths import shown_path
 from hafedho.report.runs import load_sections
 from hafedho.report.summary import rounds_rows, summary_rows
 from hafedho.report.table import Table
@@ -47,7 +48,8 @@ def write_report(
     title: str | None = None,
 ) -> ReportFiles:
     """Write results.md, report.html, summary.csv, rounds_to_target.csv, each table as .csv and .tex, and the
-    PNG figures into ``out`` (default: ``runs_dir``). With several sections, file names start with the section.
+    PNG figures into ``out`` (default: ``runs_dir``); report.html references the PNGs beside it. With several
+    sections, file names start with the section.
     ``title`` heads the page (default: ``Results from `RUNS_DIR` ``)."""
     from hafedho.report.plots import section_plots  # matplotlib only when figures are drawn
 
@@ -56,7 +58,8 @@ def write_report(
         raise ConfigError(f"{runs_dir}: no run directories with metrics and no sweep index (sweeps/*.json) found")
     out = Path(out or runs_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = [f"# {title or f'Results from `{runs_dir}`'}\n"]
+    shown = shown_path(runs_dir)
+    md = [f"# {title or f'Results from `{shown}`'}\n"]
     pages, tables_written, figures = [], [], []
     summary, rounds = [], []
     for section in sections:
@@ -86,5 +89,5 @@ def write_report(
             atomic_write_text(out / name, _csv(rows))
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
     html_path = out / "report.html"
-    atomic_write_text(html_path, page(title or "hafedho report", pages, f"{runs_dir}, generated {stamp}"))
+    atomic_write_text(html_path, page(title or "hafedho report", pages, out, f"{shown}, generated {stamp}"))
     return ReportFiles(out / "results.md", html_path, tables_written, figures, text, pages)

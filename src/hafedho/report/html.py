@@ -1,11 +1,13 @@
-"""One self-contained HTML page: every section's tables and figures (PNG embedded as base64)."""
+"""One HTML page: every section's tables and its figures, referenced as the PNG files written beside it (never
+embedded, so a regenerated page adds no second copy of a figure)."""
 
 from __future__ import annotations
 
-import base64
 import html
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 from hafedho.report.table import Table
 
@@ -31,12 +33,14 @@ class SectionPage:
     figures: list[Path] = field(default_factory=list)
 
 
-def image_tag(path: Path) -> str:
-    data = base64.b64encode(path.read_bytes()).decode()
-    return f'<img alt="{html.escape(path.stem)}" src="data:image/png;base64,{data}">'
+def image_tag(path: Path, folder: Path) -> str:
+    """An ``<img>`` that references ``path`` relative to ``folder``, the one holding the page."""
+    src = quote(Path(os.path.relpath(path, folder)).as_posix())
+    return f'<img alt="{html.escape(path.stem)}" src="{html.escape(src)}">'
 
 
-def page(title: str, sections: list[SectionPage], subtitle: str = "") -> str:
+def page(title: str, sections: list[SectionPage], folder: Path, subtitle: str = "") -> str:
+    """The page, to be written in ``folder`` (its figures are referenced relative to it)."""
     nav = "".join(f'<a href="#{html.escape(s.name)}">{html.escape(s.title)}</a>' for s in sections)
     parts = [
         "<!DOCTYPE html>",
@@ -54,6 +58,6 @@ def page(title: str, sections: list[SectionPage], subtitle: str = "") -> str:
             parts.append(f"<h3>{html.escape(t.title)}</h3>{t.html()}")
             if t.note:
                 parts.append(f'<div class="note">{html.escape(t.note)}</div>')
-        parts += [image_tag(f) for f in s.figures]
+        parts += [image_tag(f, folder) for f in s.figures]
     parts.append("</body></html>")
     return "\n".join(p for p in parts if p) + "\n"

@@ -8,7 +8,9 @@ a seed counts once. A group's *row* is its label (algorithm, or a variant such a
 hyperparameters that vary between groups of that label; its *setting* (the column) is its grid point minus the
 algorithm axes, or for plain runs its flattened config minus the algorithm; runtime settings are never an axis.
 List- and table-valued settings are kept frozen (``FrozenList``, ``FrozenTable``: hashable, shown as ``[64]``,
-``{alpha = 1}``).
+``{alpha = 1}``). A message read from a run (its ``diverged`` marker, a failure) shows any absolute path into the
+run or the folder reported relative to that folder (``relative_paths``), never the absolute path of the machine
+that wrote it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hafedho.config import (
     flatten,
     read_toml,
 )
+from hafedho.report.paths import relative_paths
 from hafedho.results import read_metrics
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
 
@@ -289,6 +292,13 @@ def _plain_section(run_dirs: list[Path], metric: str | None, last: int | None) -
     )
 
 
+def _relative_messages(section: Section, base: Path, root: Path) -> None:
+    for g in section.groups:
+        for r in g.runs:
+            r.message = relative_paths(r.message, r.dir, root)
+    section.failed = {name: relative_paths(msg, base / name, root) for name, msg in section.failed.items()}
+
+
 def load_sections(root: str | Path, metric: str | None = None, last: int | None = None) -> list[Section]:
     """One section per sweep index under ``root``, then one for the run directories no sweep lists. ``metric``
     must be recorded by some run; ``last`` must be at least 1."""
@@ -298,6 +308,7 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
     sections, used = [], set()
     for index_path in find_indexes(root):
         section, dirs = _sweep_section(index_path, metric, last)
+        _relative_messages(section, runs_folder(index_path), root)
         sections.append(section)
         used |= dirs
     plain = sorted(
@@ -305,6 +316,7 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
     )
     if plain:
         sections.append(_plain_section(plain, metric, last))
+        _relative_messages(sections[-1], root, root)
     if metric is not None and sections:
         known = sorted(
             {k for s in sections for g in s.groups for r in g.runs for row in r.rows for k in row} - {"round"}

@@ -93,8 +93,9 @@ def rounds_stat(group: Group, metric: str, target: float) -> Stat:
     return Stat([float(h) for h in hits if h is not None], len(ended), len(group.diverged()))
 
 
-# "Has this curve flattened?" (issue #13, item 6): the least-squares slope of the seed-mean curve over the last
-# FLAT_WINDOW of its rounds, in points per 100 rounds; flattened when its magnitude is below FLAT_SLOPE.
+# "Has this curve flattened?" (a lead judged before the curves flatten may be a difference in speed only): the
+# least-squares slope of the seed-mean curve over the last FLAT_WINDOW of its rounds, in points per 100 rounds;
+# flattened when its magnitude is below FLAT_SLOPE.
 FLAT_WINDOW = 0.2
 FLAT_SLOPE = 1.0
 
