@@ -15,6 +15,8 @@ base / new. The base is checked out with ``git worktree`` into a temporary folde
 * ``full``: one full-data gradient pass over the 50 CIFAR-10 clients' training data (LeNet-5).
 * ``process``: 5 rounds of 34 FEMNIST writers on the FEMNIST CNN with the ``process`` engine, and the same as a
   FedML-style whole process (``run_driver.py usual``), threads = 1 as in a sweep.
+* ``preset-compiled``, ``eval-compiled``: ``preset`` and ``eval`` with the new version's ``compile = "all"``
+  (``"eval"``), the base as it is (it has no such setting); compilation time counts (a warm inductor cache).
 
 Each whole run reports its phases: steps (the engine's rounds), evaluation (test set and start-loss guard),
 full passes, and the rest (interpreter, imports, data, model, files).
@@ -80,6 +82,16 @@ def jobs(args: argparse.Namespace, config: Path, out: Path) -> dict[str, list[st
     }
 
 
+COMPILED = {"preset-compiled": ("preset", "compile=all"), "eval-compiled": ("eval", "compile=eval")}
+
+
+def argv_for(spec: dict[str, list[str]], job: str, version: str) -> list[str]:
+    if job not in COMPILED:
+        return spec[job]
+    plain, setting = COMPILED[job]
+    return spec[plain] + ([setting] if version == "new" else [])
+
+
 def run_job(src: Path, argv: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0"}
     proc = subprocess.run([sys.executable, str(DRIVER), *argv], env=env, capture_output=True, text=True, cwd=ROOT)
@@ -98,7 +110,7 @@ def table(results: dict[str, dict[str, list[dict]]], names: list[str]) -> list[s
             m = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
             m["rest"] = m["total"] - m["steps"] - m["evaluation"] - m["full_passes"]
             med[version] = m
-        key = {"eval": "evaluation", "full": "full_passes"}.get(job, "total")
+        key = {"eval": "evaluation", "eval-compiled": "evaluation", "full": "full_passes"}.get(job, "total")
         ratio = med["base"][key] / med["new"][key]
         for version in ("base", "new"):
             m = med[version]
@@ -135,7 +147,7 @@ def main() -> None:
                     order = ("base", "new") if rep % 2 == 0 else ("new", "base")
                     for version in order:
                         src = (base if version == "base" else ROOT) / "src"
-                        results[job][version].append(run_job(src, spec[job]))
+                        results[job][version].append(run_job(src, argv_for(spec, job, version)))
                         print(f"rep {rep + 1} {job} {version}: {results[job][version][-1]}", flush=True)
                     if job == "process":  # the FedML-style whole process, once per rep (same code both columns)
                         u = run_job(ROOT / "src", spec["usual"])

@@ -86,6 +86,8 @@ def main(argv: list[str]) -> dict:
         from hafedho.experiment import build
 
         exp = build(load_config(config, argv[3:]))
+        if hasattr(exp.model, "use_compile"):  # versions with the compile setting
+            exp.model.use_compile(exp.cfg.compile)
         x, y = exp.fed.x_test(), exp.fed.y_test
         rows = int(argv[2])
         x, y = x.repeat((rows // len(y) + 1,) + (1,) * (x.dim() - 1))[:rows], y.repeat(rows // len(y) + 1)[:rows]
