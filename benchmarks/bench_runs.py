@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="replace the section after the bench_runs marker in this file")
     args = ap.parse_args()
     names = args.jobs.split(",")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_runs: terminated"))  # so the worktree is removed
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as tmp:
         tmp_path = Path(tmp)
         base = tmp_path / "base"

@@ -30,18 +30,21 @@ from hafedho.sim.runner import server_threads
 from hafedho.sweep.execute import run_spec
 
 
-def test_activation_bytes_counts_what_the_operators_allocate_and_no_views() -> None:
-    # per row: the input (10 floats), Linear's output (20, addmm) and ReLU's (20); the weight's transpose is a view
+def test_activation_bytes_counts_what_autograd_saves_but_no_parameters() -> None:
+    # per row: Linear's input (10 floats) and ReLU's output (20), which is also the module's output (counted once);
+    # Linear's weight is saved too, but it is a parameter
     model = nn.Sequential(nn.Linear(10, 20), nn.ReLU())
-    assert sizing.activation_bytes(model, (10,), torch.float32) == (10 + 20 + 20) * 4
-    assert sizing.activation_bytes(model.double(), (10,), torch.float64) == (10 + 20 + 20) * 8
+    assert sizing.activation_bytes(model, (10,), torch.float32) == (10 + 20) * 4
+    assert sizing.activation_bytes(model.double(), (10,), torch.float64) == (10 + 20) * 8
+    frozen = nn.Sequential(nn.Linear(10, 20)).requires_grad_(False)  # nothing saved: only the output counts
+    assert sizing.activation_bytes(frozen, (10,), torch.float32) == 20 * 4
 
 
 def test_rows_per_pass_fits_half_the_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU())  # 200 bytes a row
-    monkeypatch.setattr(sizing, "last_level_cache_bytes", lambda: 2 * 200 * 100)
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU())  # 120 bytes a row
+    monkeypatch.setattr(sizing, "last_level_cache_bytes", lambda: 2 * 120 * 100)
     assert sizing.rows_per_pass(model, (10,), torch.float32) == 96  # 100 rows, down to a multiple of 8
-    monkeypatch.setattr(sizing, "last_level_cache_bytes", lambda: 2 * 200 * 3)
+    monkeypatch.setattr(sizing, "last_level_cache_bytes", lambda: 2 * 120 * 3)
     assert sizing.rows_per_pass(model, (10,), torch.float32) == 8  # never fewer than 8
     monkeypatch.setattr(sizing, "last_level_cache_bytes", lambda: 2**40)
     assert sizing.rows_per_pass(model, (10,), torch.float32) == sizing.MAX_ROWS

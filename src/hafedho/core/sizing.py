@@ -5,9 +5,7 @@ The rule: the largest number of rows whose forward activations fit in half of th
 and reads it back in the next layer; while they stay in the cache the pass runs at the cache's bandwidth, and
 once a chunk's activations leave it every layer streams them from memory. Half the cache leaves room for the
 weights, the next chunk's inputs and a neighbour process. The activation bytes per row are measured once per
-model and input shape: every tensor that the operators of a one-row forward create, whatever the module's code
-(functional calls included). Measured on LeNet-5 (one thread, 4,088 FEMNIST test images, 32 MiB L3): the rule
-picks 256 rows, 1.4x faster than chunks of 1,024 (``docs/benchmarks.md``).
+model and input shape, from the tensors that autograd saves in a forward (``activation_bytes``; a few ms).
 
 Deterministic on a machine (no timing probe), so the chunk, and with it every float sum over chunks, is the
 same in every run and resume there.
@@ -17,11 +15,9 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 MAX_ROWS = 1024  # beyond this the per-call overhead is long amortised
@@ -47,39 +43,31 @@ def _bytes(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text and text[-1] in units else int(text)
 
 
-class _CountOutputs(TorchDispatchMode):
-    """Adds up the bytes of every tensor that an operator returns while active, views of its inputs (a weight's
-    transpose, a reshape) excepted: they allocate nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _storage(t) not in inputs:
-                self.bytes += t.numel() * t.element_size()
-        return out
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 def activation_bytes(module: nn.Module, row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes per row that the operators of a forward of ``module`` create (its activations), the row included,
-    measured on two rows (batch statistics need more than one)."""
+    """Bytes per row of the activations of a forward of ``module``: every tensor that autograd saves for the
+    backward (the inputs of convolutions and linear layers, ReLU and pooling outputs, whatever the module's code,
+    functional calls included), its parameters excepted, plus the output; measured on two rows in eval mode
+    (batch statistics need more than one)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}  # storage -> bytes, so views of one tensor count once
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
     was_training = module.training
     module.eval()
-    x = torch.zeros((2, *row_shape), dtype=dtype)
     try:
-        with torch.no_grad(), _CountOutputs() as count:
-            module(x)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(torch.zeros((2, *row_shape), dtype=dtype))
     finally:
         module.train(was_training)
-    return (count.bytes + x.numel() * x.element_size()) // 2
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            pack(t)
+    return sum(seen.values()) // 2
 
 
 def rows_per_pass(module: nn.Module, row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
