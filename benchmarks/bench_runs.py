@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -136,6 +137,8 @@ def main() -> None:
         tmp_path = Path(tmp)
         base = tmp_path / "base"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(base), args.base], cwd=ROOT, check=True)
+        new = tmp_path / "new"
+        shutil.copytree(ROOT / "src", new / "src")  # a snapshot: edits during the benchmark do not reach it
         try:
             config = tmp_path / "preset.toml"
             config.write_text(PRESET)
@@ -148,11 +151,11 @@ def main() -> None:
                 for job in names:
                     order = ("base", "new") if rep % 2 == 0 else ("new", "base")
                     for version in order:
-                        src = (base if version == "base" else ROOT) / "src"
+                        src = (base if version == "base" else new) / "src"
                         results[job][version].append(run_job(src, argv_for(spec, job, version)))
                         print(f"rep {rep + 1} {job} {version}: {results[job][version][-1]}", flush=True)
                     if job == "process":  # the FedML-style whole process, once per rep (same code both columns)
-                        u = run_job(ROOT / "src", spec["usual"])
+                        u = run_job(new / "src", spec["usual"])
                         results["usual"]["base"].append(u)
                         results["usual"]["new"].append(u)
             load1 = os.getloadavg()
@@ -162,7 +165,7 @@ def main() -> None:
     head = (
         f"Measured {date.today()} on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"load average {load0[0]:.1f} at the start and {load1[0]:.1f} at the end; medians of {args.reps} "
-        f"interleaved repetitions; base = `{args.base}`, new = the working tree; "
+        f"interleaved repetitions; base = `{args.base}`, new = the working tree (copied at the start); "
         f"sweep = {args.sweep_runs} runs of {args.sweep_rounds} rounds. "
         "`usual` is the FedML-style loop as a whole process (the same in both rows)."
     )
