@@ -133,6 +133,7 @@ class Section:
     failed: dict[str, str] = field(default_factory=dict)
     twins: dict[str, str] = field(default_factory=dict)  # momentum-twin row label -> the row label it sits beside
     notes: list[str] = field(default_factory=list)  # the sweep's lines for the tables (e.g. cells with no twin)
+    left_out: dict[str, str] = field(default_factory=dict)  # run directories without a row -> why (status table)
 
     def names(self) -> dict[str, str]:
         return dict(self.report.get("names", {}))
@@ -300,11 +301,19 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
         section, dirs = _sweep_section(index_path, metric, last)
         sections.append(section)
         used |= dirs
-    plain = sorted(
-        p.parent for p in root.rglob("config.toml") if p.parent.resolve() not in used and read_metrics(p.parent)
-    )
+    plain, left_out = [], {}
+    for d in sorted(p.parent for p in root.rglob("config.toml") if p.parent.resolve() not in used):
+        if read_metrics(d):
+            plain.append(d)
+        elif any((d / f).exists() for f in ("env.json", "metrics.jsonl", "done", "diverged")):
+            left_out[str(d.relative_to(root))] = _why_no_rows(d)
     if plain:
         sections.append(_plain_section(plain, metric, last))
+    if left_out and not sections:
+        first, more = next(iter(left_out.items())), f" (and {len(left_out) - 1} more)" if len(left_out) > 1 else ""
+        raise ConfigError(f"{root}: no run has a metrics row yet; left out: {first[0]}: {first[1]}{more}")
+    if left_out:
+        sections[-1].left_out = left_out
     if metric is not None and sections:
         known = sorted(
             {k for s in sections for g in s.groups for r in g.runs for row in r.rows for k in row} - {"round"}
@@ -314,6 +323,15 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
                 f"--metric {metric}: no run under {root} records it; metrics available: {', '.join(known) or 'none'}"
             )
     return sections
+
+
+def _why_no_rows(run_dir: Path) -> str:
+    """Why a run directory with no metrics row is left out of the tables (the status table says it)."""
+    if (run_dir / "done").exists():
+        return "done, yet metrics.jsonl holds no row (its rows are lost): recompute it with --force"
+    if (run_dir / "diverged").exists():
+        return (run_dir / "diverged").read_text().strip()
+    return "no round logged: stopped (or still running) before its first round; continue it with --resume"
 
 
 def _positive(value: Any, what: str) -> int:
