@@ -23,6 +23,10 @@ def run_smoke(out: Path, *args: str) -> int:
     return main(["run", "smoke", "--out", str(out), "--quiet", *args])
 
 
+# What every metrics row has beside its round (hafedho.results.REQUIRED_KEYS), for rows written by hand.
+BASE = {"cohort_size": 3, "wall_s": 0.1, "bytes_up": 8, "bytes_down": 8}
+
+
 def no_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Metrics rows without ``wall_s``: the one column that differs between identical runs."""
     return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]

@@ -137,7 +137,7 @@ def test_never_touches_the_network(no_network: None, monkeypatch: pytest.MonkeyP
         ("DirichletPartitioner", {"partition_by": "writer"}, N, r"partition_by='writer': use 'label' \(this source"),
         ("DirichletPartitioner", {"alpha": 1e-3, "min_partition_size": 290}, N, r"max number of attempts \(10\)"),
         ("DirichletPartitioner", {"alpha": 1e-3, "min_partition_size": 0}, N, r"left \d+ client\(s\) empty \(first"),
-        ("NaturalIdPartitioner", {}, 4, r"made 10 partitions but data.num_clients=4; set data.num_clients=10$"),
+        ("NaturalIdPartitioner", {}, 4, r"this source has no natural client ids .* use data.partition='dirichlet'"),
     ],
 )
 def test_refusals_are_one_line(name: str, options: dict[str, Any], n: int, message: str) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import run_smoke
+from helpers import BASE, run_smoke
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, dump_toml
@@ -56,7 +56,7 @@ def make_run(
     (d / "config.toml").write_text(dump_toml(cfg))
     lines = []
     for t in range(1, len(accs) * eval_every + 1):
-        row: dict[str, Any] = {"round": t, "train/loss": 1.0 / t}
+        row: dict[str, Any] = {"round": t, **BASE, "train/loss": 1.0 / t}
         if t % eval_every == 0:
             row["test/acc"] = accs[t // eval_every - 1]
         lines.append(json.dumps(row))
@@ -400,7 +400,7 @@ def test_sweep_with_variants_all_diverged_cells_and_a_stray_partial_run(tmp_path
         runs.append({"dir": name, "label": "centralized", "seed": s, "point": {}, "reference": True})
     write_index(tmp_path, "v", runs, {"last": 1}, ["data.q", "algorithm.name"])
     stray = make_run(tmp_path / "stray", "fedavg-s9", "fedavg", 9, [0.1], status="incomplete")
-    (stray / "metrics.jsonl").write_text('{"round": 1, "train/loss": 2.0}\n')  # stopped before any evaluation
+    (stray / "metrics.jsonl").write_text(json.dumps({"round": 1, **BASE, "train/loss": 2.0}) + "\n")  # no eval yet
     files = write_report(tmp_path, tmp_path / "rep")
     names = sorted(f.name for f in files.figures)
     assert names == ["v-cpu_accuracy.png", "v-cpu_vs_q.png"]  # the stray run's section has nothing to draw
@@ -463,7 +463,7 @@ def test_empty_test_set_and_missing_metric_are_not_zero(tmp_path: Path) -> None:
     (empty / "metrics.jsonl").write_text("".join(json.dumps({**r, "test/loss": 0.0}) + "\n" for r in rows))
     bare = make_run(tmp_path, "fedavg-s2", "fedavg", 2, [0.5, 0.5])
     rows = [json.loads(line) for line in (bare / "metrics.jsonl").read_text().splitlines()]
-    (bare / "metrics.jsonl").write_text("".join(json.dumps({"round": r["round"]}) + "\n" for r in rows))
+    (bare / "metrics.jsonl").write_text("".join(json.dumps({"round": r["round"], **BASE}) + "\n" for r in rows))
     make_run(tmp_path, "hafedho-s0", "hafedho", 0, [0.0, 0.0])  # a real 0% is still 0%
     hrows = [json.loads(line) for line in (tmp_path / "hafedho-s0" / "metrics.jsonl").read_text().splitlines()]
     (tmp_path / "hafedho-s0" / "metrics.jsonl").write_text(

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import no_wall, run_smoke
+from helpers import BASE, no_wall, run_smoke
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, config_from_table, load_config
@@ -135,14 +135,14 @@ def test_temporary_files_are_unique_per_writer(tmp_path: Path, monkeypatch: pyte
 
 
 def rows_text(*rounds: int) -> str:
-    return "".join(json.dumps({"round": r, "train/loss": 1.0}) + "\n" for r in rounds)
+    return "".join(json.dumps({"round": r, **BASE, "train/loss": 1.0}) + "\n" for r in rounds)
 
 
 def test_only_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
     m = tmp_path / "metrics.jsonl"
     m.write_text(rows_text(1, 2) + '{"round": 3, "tra')  # killed mid-write
     assert [r["round"] for r in read_metrics(tmp_path)] == [1, 2]
-    m.write_text(rows_text(1, 2) + '{"round": 3}')  # complete, only the newline is missing
+    m.write_text(rows_text(1, 2) + rows_text(3).strip())  # complete, only the newline is missing
     assert [r["round"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     bad = {
         rows_text(1) + "oops\n" + rows_text(3, 4): r"line 2 is not valid JSON \('oops'\)",
@@ -152,6 +152,12 @@ def test_only_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
         rows_text(1, 2, 2, 3): "line 3 is round 2 after round 2",
         rows_text(1, 3, 2): "line 3 is round 2 after round 3",
         rows_text(1, 2) + '{"round": 3, "tra\n': "line 3 is not valid JSON",  # ended by a newline: not torn
+        rows_text(1, 2) + '{"round": 3}\n': r"line 3 is not a metrics row \(no cohort_size, wall_s, bytes_up",
+        rows_text(1) + rows_text(2).replace("1.0", "NaN"): r"line 2 is a row with train/loss = nan",
+        rows_text(1)
+        + rows_text(2).replace(
+            '"cohort_size": 3', '"cohort_size": 1.5'
+        ): r"line 2 is not a metrics row \(cohort_size is 1.5\)",
     }
     for text, msg in bad.items():
         m.write_text(text)

@@ -331,7 +331,8 @@ def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
             (d / "config.toml").write_text(dump_toml(cfg))
             rows = []
             for t in range(1, 9):
-                row = {"round": t, "train/loss": 1.0 / t, "test/acc": 0.1 * t}
+                row = {"round": t, "cohort_size": 3, "wall_s": 0.1, "bytes_up": 8, "bytes_down": 8}
+                row.update({"train/loss": 1.0 / t, "test/acc": 0.1 * t})
                 if t % 2 == 0:
                     e = err[t // 2 - 1] + 0.01 * seed
                     row.update({"diag/h_cos": 1 - e / 2, "diag/h_rel_err": e, "diag/h_norm": 1.0})

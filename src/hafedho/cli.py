@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -92,6 +93,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             p = load_preset(name, args.scale)
             print(f"{name:8s} {len(expand(p)):4d} runs ({args.scale})  {p.description}")
         return 0
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs {args.jobs}: runs in parallel must be at least 1 (default 1)")
     preset = load_preset(args.preset, args.scale)
     specs = expand(preset, args.seeds, args.overrides, args.out)
     out = Path(args.out or preset.out)
@@ -264,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # e.g. an output folder we may not write, or a disk that is full
         where = f"{e.filename}: " if e.filename else ""
-        print(f"hafedho: error: {where}{e.strerror or e}", file=sys.stderr)
+        fix = "; free some space, then continue with the same command and --resume" if e.errno == errno.ENOSPC else ""
+        print(f"hafedho: error: {where}{e.strerror or e}{fix}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C: where the run stopped and how to continue, no traceback
         lead = "\n" if sys.stderr.isatty() else ""  # off the progress bar's line

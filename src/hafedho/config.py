@@ -298,9 +298,9 @@ def parse_override(text: str) -> dict[str, Any]:
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        raise ConfigError(f"{p} is a folder, not a TOML file" if p.is_dir() else f"config file not found: {p}")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a byte-order mark (some editors) is no statement
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import random
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,25 @@ def architecture(module: nn.Module) -> str:
     return hashlib.sha256(canonical_json(items).encode()).hexdigest()[:8]
 
 
+def data_hash(ds: Dataset) -> str:
+    """16 hex digits of the data's arrays (dtypes, shapes, bytes): a resume on a replaced data file is refused."""
+    h = hashlib.sha256()
+    for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test, ds.groups):
+        if a is not None:
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape};".encode())
+            h.update(memoryview(a).cast("B"))
+    return h.hexdigest()[:16]
+
+
+def seed_globals(seed: int) -> None:
+    """Seed the global generators (``random``, NumPy's, torch's) before user code runs (a loader, a model
+    factory): code that draws from them gives the same data and model on every run of the config."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None) -> Experiment:
     """Load data, partition it, build the model and the algorithm.
 
@@ -96,6 +116,12 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
         raise ConfigError(
             f"model.name={cfg.model.name!r} is a user module; pass it to hafedho.experiment.build(cfg, module=...)"
         )
+    if module is not None and not (isinstance(module, nn.Module) or callable(module)):
+        raise ConfigError(
+            f"module={type(module).__name__}: pass a factory returning an nn.Module (e.g. module=lambda: MyNet()), "
+            "or None to build model.name"
+        )
+    seed_globals(seed_for(cfg.seed, "user_code"))
     ds = load_dataset(cfg.data.source, cfg.data.path, **(cfg.data.options or {}))
     pseed = cfg.seed if cfg.data.partition_seed is None else cfg.data.partition_seed
     parts = make_partition(cfg, ds, pseed)
@@ -107,7 +133,7 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
             parts, frac, cfg.seed if cfg.data.partition_seed is None else cfg.data.partition_seed
         )
     fed = FederatedData(ds.x_train, ds.y_train, ds.x_test, ds.y_test, parts, ds.mean, ds.std, local_test)
-    torch.manual_seed(seed_for(cfg.seed, "model_init"))  # same initial model for every algorithm
+    seed_globals(seed_for(cfg.seed, "model_init"))  # same initial model for every algorithm
     if module is None:
         try:
             module = build_model(cfg.model.name, fed.input_shape, ds.num_classes, **(cfg.model.options or {}))
@@ -132,6 +158,7 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
     sizes = [len(p) for p in parts]
     partition = {
         "hash": P.partition_hash(parts),
+        "data_hash": data_hash(ds),
         "num_clients": len(parts),
         "sizes": sizes,
         "label_skew": P.label_skew(ds.y_train, parts, ds.num_classes),

@@ -10,12 +10,14 @@
 
 These are the files' formats and primitives; ``hafedho.rundir.RunDir`` is what runtimes write them through.
 Every file is written atomically (a temporary file unique to the writer, then a rename), so a killed process
-never leaves half a file. One process at a time writes a run: ``RunLock`` (``OUT/.locks/NAME.lock``).
+never leaves half a file. One process at a time writes a run: ``RunLock`` (``.locks/NAME.lock`` beside the run
+directory's real path, so two paths to one directory, e.g. through a symbolic link, take one lock).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import secrets
@@ -32,6 +34,13 @@ class RunDirError(ValueError):
     """A run directory in a state that does not fit the request (exists, corrupt, other config)."""
 
 
+def named(e: OSError, path: Path) -> OSError:
+    """``e`` with ``path`` as its file name when it has none (a failed write, e.g. a full disk, names no file)."""
+    if e.filename is None and e.errno is not None:
+        return type(e)(e.errno, e.strerror, str(path))
+    return e
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     # pid + random suffix: two writers (or a writer and a killed one's leftover) never share a temporary file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -41,6 +50,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise named(e, path) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -54,11 +66,17 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The metrics rows, rounds strictly increasing.
+# Every row has these (``hafedho.rounds.ServerRounds.finish_round``); its numbers are finite, but for NONFINITE_OK.
+REQUIRED_KEYS = ("round", "cohort_size", "wall_s", "bytes_up", "bytes_down")
+NONFINITE_OK = frozenset({"test/loss"})  # a finite model can still give an infinite loss on a test example
 
-    Only a torn last line (a process killed mid-write: no newline and not valid JSON) is dropped. Any other bad
-    line raises ``RunDirError`` naming it, so a later row is never silently lost.
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The metrics rows, rounds strictly increasing, each with ``REQUIRED_KEYS`` and finite numbers.
+
+    Only a torn last line (a process killed mid-write: no newline and not valid JSON) of an unfinished run is
+    dropped. Any other bad line, and a torn one in a finished run (``done``: no writer was killed, so a row is
+    lost), raises ``RunDirError`` naming it, so a row is never silently lost.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
@@ -72,6 +90,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         try:
             json.loads(tail)
         except ValueError:
+            if (Path(run_dir) / "done").exists():
+                after = f"round {rows[-1]['round']}" if rows else "none"
+                raise RunDirError(
+                    f"{path}: line {len(lines) + 1} is cut short, yet the run is done, so the row after {after} is "
+                    "lost (no killed writer leaves that): restore metrics.jsonl, or recompute the run with --force"
+                ) from None
             return rows  # torn: the process died while writing it; the round is recomputed on --resume
         rows.append(_metrics_row(path, len(lines) + 1, tail, rows[-1]["round"] if rows else 0))
     return rows
@@ -83,8 +107,8 @@ def _metrics_row(path: Path, lineno: int, line: bytes, prev: int) -> dict[str, A
     except ValueError:
         row, what = None, "not valid JSON"
     else:
-        what = "not a metrics row"
-    if isinstance(row, dict) and isinstance(row.get("round"), int) and not isinstance(row["round"], bool):
+        what = _row_problem(row)
+    if what is None:
         if row["round"] > prev:
             return row
         what = f"round {row['round']} after round {prev}"
@@ -95,11 +119,29 @@ def _metrics_row(path: Path, lineno: int, line: bytes, prev: int) -> dict[str, A
     )
 
 
+def _row_problem(row: Any) -> str | None:
+    """What makes ``row`` no metrics row (a dict with ``REQUIRED_KEYS``, integer counts, finite numbers), or None."""
+    if not isinstance(row, dict):
+        return "not a metrics row"
+    missing = [k for k in REQUIRED_KEYS if k not in row]
+    if missing:
+        return f"not a metrics row (no {', '.join(missing)})"
+    wrong = [k for k in REQUIRED_KEYS if k != "wall_s" and (type(row[k]) is not int or row[k] < 0)]
+    if wrong or isinstance(row["wall_s"], bool) or not isinstance(row["wall_s"], int | float):
+        return f"not a metrics row ({(wrong or ['wall_s'])[0]} is {row[(wrong or ['wall_s'])[0]]!r})"
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v) and k not in NONFINITE_OK]
+    return f"a row with {bad[0]} = {row[bad[0]]} (a run stops before it logs one)" if bad else None
+
+
 def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
-    with open(Path(run_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise named(e, path) from None
 
 
 def truncate_metrics(run_dir: Path, last_round: int) -> None:
@@ -112,14 +154,15 @@ class RunBusy(RunDirError):
 
 
 class RunLock:
-    """An advisory lock per run (``OUT/.locks/NAME.lock``) that every writer of a run takes through
-    ``hafedho.rundir.RunDir`` (the simulator's ``run``, so ``hafedho run``, demos and sweeps; the Flower strategy).
+    """An advisory lock per run (``.locks/NAME.lock`` beside the run directory's real path) that every writer of
+    a run takes through ``hafedho.rundir.RunDir`` (the simulator's ``run``, so ``hafedho run``, demos and sweeps;
+    the Flower strategy).
     The OS drops it when the holder dies, so a killed process never leaves a stale lock. ``with RunLock(d) as
     held``: ``held`` is False when someone else holds it (even in this process); the holder's pid is then in
     ``holder``. Without ``fcntl`` (Windows) every run counts as unlocked."""
 
     def __init__(self, run_dir: Path) -> None:
-        run_dir = Path(run_dir)
+        run_dir = Path(run_dir).resolve()  # the real path: a symbolic link to a run directory takes its lock
         self.path = run_dir.parent / ".locks" / f"{run_dir.name}.lock"
         self.holder = "?"
         self.file: Any = None
@@ -150,23 +193,21 @@ class RunLock:
             self.file = None
 
 
-def make_folder(folder: Path) -> None:
-    """``mkdir -p`` with one-line errors for a path through a file or a folder we may not write."""
+def make_folder(folder: Path, what: str = "output folder (out = ... or --out)") -> None:
+    """``mkdir -p`` with one-line errors for a path through a file or a folder we may not write; the fix names
+    ``what`` the folder is, and the key that chose it."""
     folder = Path(folder)
     for p in (folder, *folder.parents):
         if p.exists():
             if not p.is_dir():
-                raise RunDirError(f"{p} is a file, not a folder; choose another output folder (out = ... or --out)")
+                raise RunDirError(f"{p} is a file, not a folder; choose another {what}")
             break
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunDirError(f"cannot create {folder}: {e.strerror}; {_WRITABLE}") from None
+        raise RunDirError(f"cannot create {folder}: {e.strerror}; choose a writable {what}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise RunDirError(f"cannot write to {folder}: permission denied; {_WRITABLE}")
-
-
-_WRITABLE = "choose a writable output folder (out = ... or --out)"
+        raise RunDirError(f"cannot write to {folder}: permission denied; choose a writable {what}")
 
 
 def environment() -> dict[str, Any]:
@@ -187,3 +228,12 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def why_no_rows(run_dir: Path) -> str:
+    """Why a run directory with no metrics row is left out of the tables (the status table says it)."""
+    if (run_dir / "done").exists():
+        return "done, yet metrics.jsonl holds no row (its rows are lost): recompute it with --force"
+    if (run_dir / "diverged").exists():
+        return (run_dir / "diverged").read_text().strip()
+    return "no round logged: stopped (or still running) before its first round; continue it with --resume"

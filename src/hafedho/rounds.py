@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hafedho.core import RoundInfo, tree
+from hafedho.core import ConfigError, RoundInfo, tree
 from hafedho.core.model import evaluate
 from hafedho.experiment import Experiment
 from hafedho.rundir import RunDir
@@ -50,9 +50,16 @@ def run_facts(exp: Experiment, warn: Callable[[str], None], **extra: Any) -> dic
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         notes = exp.alg.run_notes(lam)
-    for w in caught:
-        warn(str(w.message))
-    return {"notes": notes, "warnings": [str(w.message) for w in caught], "lambda": lam, **extra}
+    texts = [str(w.message) for w in caught]
+    s, n = exp.cfg.sampling, exp.fed.num_clients
+    if s.mode == "bernoulli" and s.prob * n < 1:  # most rounds would train nobody, without a word
+        texts.append(
+            f"sampling.prob={s.prob:g} with {n} clients: the expected cohort is {s.prob * n:.2g} clients, so most "
+            f"rounds train nobody; raise sampling.prob to at least {1 / n:.2g} for one client a round on average"
+        )
+    for text in texts:
+        warn(text)
+    return {"notes": notes, "warnings": texts, "lambda": lam, **extra}
 
 
 @torch.no_grad()
@@ -85,6 +92,17 @@ def personal_accuracy(exp: Experiment, server: Any, state_of: Callable[[int], An
     """
     local = exp.fed.local_test or []
     return pooled_accuracy(client_accuracy(exp, server, c, state_of(c)) for c in range(len(local)) if len(local[c]))
+
+
+def _pair(result: Any, name: str) -> tuple[Any, dict[str, float]]:
+    """``server_update``'s ``(state, metrics)``, or one line saying what it returned instead."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+        return result
+    what = f"a tuple of {len(result)}" if type(result) is tuple else type(result).__name__
+    raise ConfigError(
+        f"algorithm {name}: server_update returned {what}; it must return (next server state, metrics dict), "
+        "e.g. return ServerState(...), {}"
+    )
 
 
 class ServerRounds:
@@ -140,7 +158,7 @@ class ServerRounds:
         server_metrics: dict[str, float] = {}
         if out.aggregate is not None:
             rnd = RoundInfo(t, self.exp.fed.num_clients, reported)
-            self.server, server_metrics = alg.server_update(self.server, out.aggregate, rnd)
+            self.server, server_metrics = _pair(alg.server_update(self.server, out.aggregate, rnd), type(alg).__name__)
         row: dict[str, Any] = {"round": t, "cohort_size": reported, **out.metrics, **server_metrics, **extra}
         self._check_finite(t, row)
         self._check_blowup(t, row)
@@ -167,7 +185,8 @@ class ServerRounds:
 
     def _diverged(self, t: int, what: str, hint: str) -> None:
         kept = self.run_dir is not None and self.checkpointed > 0
-        good = f"round {self.checkpointed} in {self.run_dir.checkpoint_path}" if kept else "none"
+        # relative to the results root: the marker and the reports quoting it name no machine's path
+        good = f"round {self.checkpointed} in {self.run_dir.path.name}/checkpoint.pt" if kept else "none"
         text = f"run diverged at round {t}: {what} ({hint}); last good checkpoint: {good}"
         if self.run_dir is not None:
             self.run_dir.mark_diverged(text)

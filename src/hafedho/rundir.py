@@ -7,6 +7,7 @@ directory), the facts written once (``start``), the metrics rows, checkpoints wi
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -89,23 +90,69 @@ def is_finished(run_dir: Path, rounds: int, rows: list[dict[str, Any]] | None = 
     return bool(rows) and rows[-1]["round"] == rounds
 
 
-def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, force: bool) -> bool:
-    """Create the run directory, or check that an existing one may be continued.
+def check_same_data(run_dir: Path, partition: dict[str, Any] | None) -> None:
+    """Refuse to continue a run on other data: ``partition.json``'s data and partition hashes must be this
+    run's (a replaced data file gives the same config, but another experiment)."""
+    path = run_dir / "partition.json"
+    if partition is None or not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise RunDirError(f"{path} is not valid JSON; restore it, or start over with --force") from None
+    for key, what in (("data_hash", "data"), ("hash", "partition")):
+        if isinstance(old, dict) and key in old and key in partition and old[key] != partition[key]:
+            raise RunDirError(
+                f"{run_dir}: the {what} changed since the run started ({key} {old[key]} in partition.json, "
+                f"{partition[key]} now); resume it on the data it started with, or start over with --force"
+            )
+
+
+def check_rows_cover_checkpoint(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """The rows must hold rounds 1..k of the checkpoint of round k: they cannot be recomputed from it."""
+    k = checkpoint.saved_round(run_dir / "checkpoint.pt")
+    have = {int(r["round"]) for r in rows}
+    missing = [t for t in range(1, k + 1) if t not in have]
+    if missing:
+        span = f"round {missing[0]}" if len(missing) == 1 else f"{len(missing)} rounds ({missing[0]}-{missing[-1]})"
+        raise RunDirError(
+            f"{run_dir}: checkpoint.pt is of round {k} but metrics.jsonl lacks {span}, which cannot be recomputed "
+            "from it: restore metrics.jsonl, or recompute the run from round 1 with --force"
+        )
+
+
+def _force_delete(run_dir: Path) -> None:
+    """``--force``: delete a run directory (``_check_deletable``), never through a symbolic link."""
+    if run_dir.is_symlink():
+        raise RunDirError(
+            f"--force: {run_dir} is a symbolic link (to {run_dir.resolve()}); not deleting through it: "
+            "remove the link, or run with --out naming the folder it points into"
+        )
+    _check_deletable(run_dir)
+    shutil.rmtree(run_dir)
+
+
+def prepare_run_dir(
+    run_dir: Path, cfg: Config, resume: bool, force: bool, partition: dict[str, Any] | None = None
+) -> bool:
+    """Create the run directory, or check that an existing one may be continued (same experiment, same data
+    when ``partition`` is given, rows that cover the checkpoint).
 
     Returns True when ``resume`` finds the run finished at ``cfg.rounds``: nothing to do, and nothing is written.
     Every refusal happens before anything in the directory changes.
     """
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"{run_dir} is a file, not a run directory; choose another run name or output folder")
-    if run_dir.exists() and force:
-        _check_deletable(run_dir)
-        shutil.rmtree(run_dir)
+    if (run_dir.exists() or run_dir.is_symlink()) and force:
+        _force_delete(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
         if not resume:
-            state = "finished" if (run_dir / "done").exists() else "interrupted"
-            raise RunDirError(f"{run_dir} holds a {state} run; pass --resume to continue it or --force to start over")
+            state = "a finished" if (run_dir / "done").exists() else "an interrupted"
+            raise RunDirError(f"{run_dir} holds {state} run; pass --resume to continue it or --force to start over")
         check_same_experiment(run_dir, cfg)
+        check_same_data(run_dir, partition)
         rows = read_metrics(run_dir)  # a bad line in the middle is an error here, before anything is rewritten
+        check_rows_cover_checkpoint(run_dir, rows)
         have = rows[-1]["round"] if rows else 0
         if cfg.rounds < have:
             raise RunDirError(
@@ -155,10 +202,10 @@ class RunDir:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def prepare(self, cfg: Config, resume: bool, force: bool) -> bool:
+    def prepare(self, cfg: Config, resume: bool, force: bool, partition: dict[str, Any] | None = None) -> bool:
         """``prepare_run_dir``: True when ``resume`` finds the run finished (then nothing is written)."""
         tracking = trackers_for(cfg, self.path)  # a missing extra is refused before anything is written
-        finished = prepare_run_dir(self.path, cfg, resume, force)
+        finished = prepare_run_dir(self.path, cfg, resume, force, partition)
         self.tracking = None if finished else tracking
         return finished
 
@@ -207,6 +254,16 @@ class RunDir:
         else:
             store.load_state_dict(store_leaves)
         return done_round + 1, server, float(extra.get("wall_s", 0.0))
+
+    def discard_unstarted(self) -> None:
+        """Delete the directory of a run this process created that failed before logging a row."""
+        rows = self.path / "metrics.jsonl"
+        ours = self.path.is_dir() and not self.path.is_symlink() and not (rows.exists() and rows.stat().st_size)
+        if ours and all(_is_run_entry(p.name) for p in self.path.iterdir()):
+            if self.tracking is not None:
+                self.tracking.close()
+                self.tracking = None
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def mark_done(self) -> None:
         atomic_write_text(self.path / "done", "")

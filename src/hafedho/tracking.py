@@ -43,9 +43,28 @@ def trackers_for(cfg: Config, run_dir: Path) -> Tracking | None:
     for on, module, key in ((log.tensorboard, "tensorboard", "tensorboard"), (log.mlflow, "mlflow", "mlflow")):
         if on and find_spec(module) is None:
             raise ConfigError(f"log.{key} needs the {module} package: {EXTRA} (or set log.{key} off)")
+    if log.mlflow:
+        check_store(log.mlflow)
     if not log.tensorboard and not log.mlflow:
         return None
     return Tracking(cfg, run_dir)
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store(uri: str) -> None:
+    """``log.mlflow``'s SQLite file: in a folder that exists (never created, even at the filesystem's root), and
+    a SQLite database if it exists; else one line, before the run directory changes."""
+    db = Path(uri.removeprefix("sqlite:///"))
+    if not db.parent.is_dir():
+        raise ConfigError(
+            f"log.mlflow={uri}: folder {db.parent} does not exist; create it, or give a store in an existing folder "
+            "(e.g. log.mlflow='sqlite:///mlruns.db')"
+        )
+    if db.is_dir() or (db.exists() and db.stat().st_size and _head(db) != SQLITE_HEADER):
+        what = "a folder" if db.is_dir() else "a file that is not a SQLite database"
+        raise ConfigError(f"log.mlflow={uri}: {db} is {what}; give the path of a new or existing SQLite store")
 
 
 def numeric(row: dict[str, Any]) -> dict[str, float]:
@@ -58,6 +77,11 @@ def numeric(row: dict[str, Any]) -> dict[str, float]:
 def params_of(d: dict[str, Any]) -> dict[str, str]:
     """A config as MLflow params: dotted keys (``config.flatten``), values as text (non-strings as JSON)."""
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in flatten(d).items()}
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(len(SQLITE_HEADER))
 
 
 class Tracking:
@@ -134,7 +158,7 @@ class _TensorBoard:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError(f"log.tensorboard needs the tensorboard package: {EXTRA}") from None
-        make_folder(folder)
+        make_folder(folder, "log.tensorboard folder")
         if not any(folder.glob("*tfevents*")):  # the events were deleted: send every row again
             frontier = 0
         self.folder, self.frontier = folder, frontier
@@ -185,7 +209,7 @@ class _MLflow:
     ) -> None:
         self.uri = uri
         self.db = Path(uri.removeprefix("sqlite:///"))
-        make_folder(self.db.parent)
+        check_store(uri)
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # offline: no usage reports (read at import)
         try:
             from mlflow.entities import Metric, Param

@@ -55,7 +55,16 @@ def check_algorithm_class(obj: object, where: str) -> type[FedAlgorithm]:
     if any(isinstance(v, dataclasses.Field) for v in vars(obj).values()):
         # undecorated, its hp(...) fields would stay class attributes holding Field objects: silently wrong values
         raise ConfigError(f"{where}: decorate class {obj.__name__} with @dataclass(frozen=True, kw_only=True)")
+    missing = [m for m in CONTRACT if getattr(obj, m) is getattr(FedAlgorithm, m)]
+    if missing:  # else the first round raises NotImplementedError, after the run directory exists
+        raise ConfigError(
+            f"{where}: class {obj.__name__} does not define {', '.join(missing)}; define them, or subclass "
+            "hafedho.algorithms.FedAvg, which defines all four"
+        )
     return obj
+
+
+CONTRACT = ("init_server", "broadcast", "client_update", "server_update")  # what FedAlgorithm leaves undefined
 
 
 def build_algorithm(name: str, settings: dict[str, Any] | None = None) -> FedAlgorithm:

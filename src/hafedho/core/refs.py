@@ -45,6 +45,8 @@ def import_reference(key: str, ref: str, error: type[Exception]) -> object:
         raise error(f"{key}={ref!r}: importing {module!r} failed: {e}; install what it imports") from None
     except Exception as e:  # the user's module raised while importing: say so in one line, never a traceback
         raise error(f"{key}={ref!r}: importing {module!r} raised {type(e).__name__}: {e}; fix that module") from None
+    except SystemExit as e:  # sys.exit() at import would end the run with its code and no word
+        raise error(f"{key}={ref!r}: importing {module!r} called sys.exit({e.code!r}); fix that module") from None
     obj: object = mod
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -12,7 +12,8 @@ import numpy as np
 
 # Every purpose a draw may have, and the parts that follow it: one stream each, so adding a draw never moves another.
 PURPOSES: dict[str, str] = {
-    "model_init": "the initial global model (torch); no parts",
+    "model_init": "the initial global model (torch; also random's and NumPy's global generators); no parts",
+    "user_code": "the global generators (random, NumPy, torch) seeded before a data source loads; no parts",
     "local_test": "the held-out local test split of every client; no parts",
     "cohort": "round t's cohort; (t,)",
     "batches": "client i's batches in round t; (t, i)",

@@ -71,7 +71,8 @@ def flwr_partition(
         num_clients: N; the partitioner's ``num_partitions`` (when it has one) and the number it must produce.
         seed: the partition seed: the dataset shuffle's and the partitioner's ``seed``.
         options: the partitioner's other constructor arguments (``data.partition_options``); ``partition_by`` may
-            be ``"label"`` (default) or ``"group"`` (the source's natural clients, e.g. for NaturalIdPartitioner).
+            be ``"label"`` or ``"group"`` (the source's natural clients; NaturalIdPartitioner's default, and it
+            refuses a source without them), else ``"label"`` by default.
         groups: the source's natural client id per example, or None.
         q, min_size: defaults for ``alpha`` and ``min_partition_size`` (``data.q``, ``data.min_size``).
 
@@ -143,8 +144,14 @@ def _constructor_args(
             )
     kwargs: dict[str, Any] = {"num_partitions": num_clients, "seed": seed}
     kwargs = {k: v for k, v in kwargs.items() if k in params}
+    natural = cls.__name__ == "NaturalIdPartitioner"  # it splits by an id column: by label it would mean classes
+    if natural and not has_groups:
+        raise PartitionError(
+            f"{key}: this source has no natural client ids (writers, devices) to split by; use "
+            "data.partition='dirichlet' or 'iid', or a source with natural clients (femnist)"
+        )
     if "partition_by" in params:
-        by = options.pop("partition_by", "label")
+        by = options.pop("partition_by", "group" if natural else "label")
         if by not in ("label", "group") or (by == "group" and not has_groups):
             hint = "'label' or 'group'" if has_groups else "'label' (this source has no natural clients)"
             raise PartitionError(f"data.partition_options.partition_by={by!r}: use {hint}")

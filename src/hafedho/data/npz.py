@@ -48,6 +48,10 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout
         raise DataError(f"npz: layout must be one of {', '.join(_LAYOUTS)}, got {layout!r}")
     if num_classes is not None and (type(num_classes) is not int or num_classes < 1):  # bool is no count
         raise DataError(f"npz: num_classes must be an integer >= 1, got {num_classes!r}")
+    with open(p, "rb") as f:
+        magic = f.read(2)
+    if magic != b"PK":  # else np.load takes any bytes for a pickle, and says so
+        raise DataError(f"{p} is not an .npz file (no zip archive); save your arrays with np.savez(path, x_train=...)")
     try:
         with np.load(p, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}

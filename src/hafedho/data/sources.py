@@ -12,6 +12,8 @@ A user's source is named by a reference ``data.source = "package.module:name"`` 
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 
 from hafedho.data.builtin import DIGITS, SYNTHETIC
 from hafedho.data.cifar import CIFAR10, CIFAR100
@@ -57,10 +59,32 @@ def load_dataset(name: str, path: str | None = None, **options: object) -> Datas
     except TypeError as e:
         params = [p for p in inspect.signature(source.load).parameters if p != "path"]
         raise DataError(f"{name}: {e}; its options are: {', '.join(params) or 'none'}") from e
+    _check_options(source, options)
     ds = source.load(path, **options)
     if not isinstance(ds, Dataset):
         raise DataError(f"data.source={name!r} returned {type(ds).__name__}, not a hafedho.data.dataset.Dataset")
     return ds
+
+
+def _check_options(source: Source, options: dict[str, object]) -> None:
+    """Each option against the loader's annotation of it (as model options are): plain types and their unions;
+    an option the loader leaves unannotated, or annotates with a generic, goes unchecked."""
+    try:
+        hints = typing.get_type_hints(source.load)
+    except Exception:  # a user's annotation that does not resolve
+        return
+    for key, value in options.items():
+        hint = hints.get(key)
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        allowed = typing.get_args(hint) if union else (hint,)
+        if hint is None or not all(isinstance(a, type) and typing.get_origin(a) is None for a in allowed):
+            continue
+        ok = any(isinstance(value, a) and not (a in (int, float) and isinstance(value, bool)) for a in allowed)
+        if not ok and not (float in allowed and type(value) is int):  # an int is a float, a bool is no number
+            names = " or ".join("None" if a is type(None) else a.__name__ for a in allowed)
+            raise DataError(
+                f"{source.name}: data.options.{key}={value!r}: expected {names}, got {type(value).__name__}"
+            )
 
 
 def as_source(obj: object, name: str, where: str) -> Source:

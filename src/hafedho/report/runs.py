@@ -30,7 +30,7 @@ from hafedho.config import (
     read_toml,
 )
 from hafedho.report.paths import relative_paths
-from hafedho.results import read_metrics
+from hafedho.results import read_metrics, why_no_rows
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
 
 # A centralised plain run (one client holding everything) ignores these keys, so it matches every column.
@@ -136,6 +136,7 @@ class Section:
     failed: dict[str, str] = field(default_factory=dict)
     twins: dict[str, str] = field(default_factory=dict)  # momentum-twin row label -> the row label it sits beside
     notes: list[str] = field(default_factory=list)  # the sweep's lines for the tables (e.g. cells with no twin)
+    left_out: dict[str, str] = field(default_factory=dict)  # run directories without a row -> why (status table)
 
     def names(self) -> dict[str, str]:
         return dict(self.report.get("names", {}))
@@ -311,12 +312,20 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
         _relative_messages(section, runs_folder(index_path), root)
         sections.append(section)
         used |= dirs
-    plain = sorted(
-        p.parent for p in root.rglob("config.toml") if p.parent.resolve() not in used and read_metrics(p.parent)
-    )
+    plain, left_out = [], {}
+    for d in sorted(p.parent for p in root.rglob("config.toml") if p.parent.resolve() not in used):
+        if read_metrics(d):
+            plain.append(d)
+        elif any((d / f).exists() for f in ("env.json", "metrics.jsonl", "done", "diverged")):
+            left_out[str(d.relative_to(root))] = why_no_rows(d)
     if plain:
         sections.append(_plain_section(plain, metric, last))
         _relative_messages(sections[-1], root, root)
+    if left_out and not sections:
+        first, more = next(iter(left_out.items())), f" (and {len(left_out) - 1} more)" if len(left_out) > 1 else ""
+        raise ConfigError(f"{root}: no run has a metrics row yet; left out: {first[0]}: {first[1]}{more}")
+    if left_out:
+        sections[-1].left_out = left_out
     if metric is not None and sections:
         known = sorted(
             {k for s in sections for g in s.groups for r in g.runs for row in r.rows for k in row} - {"round"}

@@ -21,6 +21,16 @@ def save(path: Path, round: int, server: Any, store_leaves: list[torch.Tensor], 
     atomic_write_bytes(path, buf.getvalue())
 
 
+def saved_round(path: Path) -> int:
+    """The round of the checkpoint at ``path``; 0 when there is none."""
+    if not path.exists():
+        return 0
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["round"])
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, KeyError, EOFError, TypeError, ValueError) as e:
+        raise RunDirError(f"{path}: corrupt checkpoint ({type(e).__name__}); start over with --force") from None
+
+
 def load(path: Path, server_template: Any) -> tuple[int, Any, list[torch.Tensor], dict[str, Any]]:
     """Read a checkpoint and rebuild the server state on the template's structure (no code is unpickled)."""
     try:

@@ -34,6 +34,7 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
     Resuming a run finished at ``cfg.rounds`` changes nothing and returns its last row. Runs with ``cfg.threads``
     torch threads (0: as set before) and restores the caller's setting afterwards.
     """
+    fresh = not Path(run_dir).exists()
     with RunDir(run_dir) as rd:
         previous = torch.get_num_threads()
         if exp.cfg.threads:
@@ -43,6 +44,12 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
             return _run(exp, rd, resume, force, progress, engine)
         except KeyboardInterrupt:
             raise Interrupted(_interrupted_text(rd.path)) from None
+        except Divergence:
+            raise  # its marker and checkpoint stay
+        except Exception:
+            if fresh:  # e.g. a user's server_update that failed in round 1: no directory left behind
+                rd.discard_unstarted()
+            raise
         finally:
             engine.close()
             torch.set_num_threads(previous)
@@ -91,7 +98,7 @@ def server_threads(engine: Engine) -> int:
 
 def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
     cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
-    if rd.prepare(cfg, resume, force):
+    if rd.prepare(cfg, resume, force, exp.partition):
         return rd.rows()[-1]  # finished: nothing to do
     model.use_compile(cfg.compile, on_fallback=lambda text: tqdm.write(f"warning: {text}"))
     rd.start(exp.partition, run_facts(exp, warn=lambda text: tqdm.write(f"warning: {text}")))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hafedho.config import Config, ConfigError, config_from_table, parse_override
+from hafedho.core.refs import file_name
 from hafedho.sweep.presets import Preset, deep_merge, is_config_key, nest
 
 
@@ -82,7 +83,9 @@ def _point_table(preset: Preset, point: dict[str, Any], sets: dict[str, Any], ex
 
 
 def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "._" else "_" for c in text)
+    """``text`` as part of a folder name: a reference's ':' as '.' (``file_name``, as ``hafedho run`` writes it,
+    so a sweep's run and a plain run of one experiment share a directory), any other odd character as '_'."""
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in file_name(text))
 
 
 def expand(

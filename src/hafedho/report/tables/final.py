@@ -82,7 +82,8 @@ def accuracy_tables(lay: Layout) -> list[Table]:
         ]
         header = ["algorithm", "seeds", f"final {s.metric_label} (%, mean of last {s.last} evals)", "best (%)"]
         header += ["flattened (slope, pp/100 rounds)"] if flat else []
-        title = f"{s.title}: {lay.col_name(col)}" if lay.col_keys else s.title
+        # named as the many-column tables are, never the section's title alone (a heading under its own name)
+        title = f"Final {s.metric_label}: {s.title}" + (f": {lay.col_name(col)}" if lay.col_keys else "")
         lead = [row + [Cell("")] * flat for row in _lead_rows(lay, [col], "final")]
         note = f"{what}; {FLAT_NOTE}" if flat else what
         return [Table("final", title, header, rows + lead, note + twin_note)]

@@ -7,12 +7,15 @@ from hafedho.report.table import Cell, Table
 
 
 def status_table(section: Section) -> Table:
-    """How many runs are done, diverged, incomplete or not started; diverged and failed runs by name."""
+    """How many runs are done, diverged, incomplete or not started; diverged, failed and left-out runs by name."""
     runs = [r for g in section.groups for r in g.runs]
     counts = {k: sum(r.status == k for r in runs) for k in ("done", "diverged", "incomplete", "missing")}
     rows = [[Cell(k if k != "missing" else "not started"), Cell(str(v))] for k, v in counts.items() if v]
     if section.failed:
         rows.append([Cell("failed (last sweep)"), Cell(str(len(section.failed)))])
+    if section.left_out:
+        rows.append([Cell("left out (no metrics row)"), Cell(str(len(section.left_out)))])
     details = [f"{r.dir.name}: {r.message}" for r in runs if r.status == "diverged"]
     details += [f"{name}: failed: {msg}" for name, msg in section.failed.items()]
+    details += [f"{name}: left out: {why}" for name, why in section.left_out.items()]
     return Table("status", "Run status", ["status", "runs"], rows, "\n".join(details))
