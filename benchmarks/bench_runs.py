@@ -37,9 +37,10 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
+from doc_sections import markers, write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).parent / "run_driver.py"
-MARK = "<!-- bench_runs -->"
 
 PRESET = """seed = 0
 rounds = 30
@@ -69,6 +70,24 @@ CIFAR = ["data.source=cifar10", "data.partition=dirichlet", "data.q=0.3", "data.
 CIFAR += ["sampling.cohort_size=5"]
 PROCESS = ["model.name=femnist_cnn", "model.options.projection=0", "sampling.cohort_size=34", "rounds=5"]
 PROCESS += ["eval_every=5", "algorithm.name=fedavg", "algorithm.lr=0.05"]
+
+
+PROSE = """What a preset-shaped run spends outside its local steps, and how the code cuts it (measured below):
+
+- **Evaluation and full-data passes sized by the cache** (`core/sizing.py`): a pass takes the largest number of
+  rows whose forward activations (what autograd saves in a two-row forward, measured once per model and input
+  shape) fit in half the CPU's last-level cache, between 8 and 1,024 rows; no timing probe, so the chunk is the
+  same in every run on a machine. The full-data gradient pass splits each client's rows into equal blocks of at
+  most that size (the round's batch size before). Evaluation sums the per-example losses in float64.
+- **Idle cores**: the runner evaluates, computes the start-loss guard and runs the full-data pass on every core
+  the `process` engine's workers hold (they idle meanwhile); `loop` and `vmap` keep the run's `threads`.
+- **Warm sweep workers**: a sweep worker's runs share the decoded data set in memory (the last two, read-only);
+  a run's metrics are the same first or after another run in the same process (`tests/test_speed.py`).
+- **`compile`** (opt-in runtime setting, `off` by default): `eval`, `steps` or `all` run the model's forward
+  through `torch.compile` (loop engine and evaluation), with one warning line and eager where it cannot compile.
+  Compilation costs seconds on a warm inductor cache and about a minute cold, per process.
+
+Side by side, in one run of"""
 
 
 def jobs(args: argparse.Namespace, config: Path, out: Path) -> dict[str, list[str]]:
@@ -172,10 +191,9 @@ def main() -> None:
     text = "\n".join([head, "", *table(results, shown)])
     print(text)
     if args.out:
-        doc = args.out.read_text()
-        before = doc.split(MARK)[0] if MARK in doc else doc.rstrip() + "\n\n## Whole runs\n\n"
-        rest = doc.split(MARK)[2] if doc.count(MARK) >= 2 else "\n"
-        args.out.write_text(f"{before}{MARK}\n{text}\n{MARK}{rest}")
+        start, end = markers("bench_runs")
+        cmd = " ".join(["python benchmarks/bench_runs.py", *sys.argv[1:]])
+        write_section(args.out, "bench_runs", f"{start}\n## Whole runs\n\n{PROSE}\n\n    {cmd}\n\n{text}\n{end}\n")
 
 
 if __name__ == "__main__":

@@ -29,13 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from doc_sections import markers, write_section
 
 from hafedho.config import CONFIG_DIR, load_config
 from hafedho.experiment import Experiment, build
 from hafedho.sim.engines.base import available_cores
 from hafedho.sim.runner import run
 
-START, END = "<!-- bench_threads: start -->", "<!-- bench_threads: end -->"
+START, END = markers("bench_threads")
 # a busy loop that ends after `secs`, or as soon as the benchmark (its parent) is gone
 BUSY = "import os, time\nend = time.time() + {secs}\nwhile time.time() < end and os.getppid() == {parent}:\n    pass\n"
 
@@ -127,7 +128,7 @@ def main() -> None:
     elapsed = time.perf_counter() - t_start
     report = render(list(exps), times, settings, cores, load_before, load_average(), elapsed, args.reps)
     print(report)
-    write_section(Path(args.out), report)
+    write_section(Path(args.out), "bench_threads", report)
 
 
 class _nothing:
@@ -180,17 +181,6 @@ def render(
         END,
     ]
     return "\n".join(lines) + "\n"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (between its markers), or append it."""
-    text = path.read_text() if path.exists() else ""
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 if __name__ == "__main__":

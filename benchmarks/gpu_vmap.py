@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from bench_engines import UsualLoop  # noqa: E402
+from doc_sections import markers, write_section  # noqa: E402
 from tolerance import fp32_close, longest_reduction  # noqa: E402
 
 from hafedho.config import CONFIG_DIR, load_config  # noqa: E402
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; stop doubling the cohort after this")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data", help="the FEMNIST LEAF copy (default: the source's, ../shared/data)")
+    ap.add_argument("--doc", type=Path, help="also write the table into this page's gpu_vmap section")
     args = ap.parse_args()
     if args.data:
         DATA.append(f"data.path={args.data}")
@@ -171,6 +173,11 @@ def main() -> None:
         )
     lines += ["", *notes, f"Total {time.perf_counter() - t_start:.0f} s."]
     (args.out / "gpu_vmap.md").write_text("\n".join(lines) + "\n")
+    if args.doc:
+        start, end = markers("gpu_vmap")
+        write_section(
+            args.doc, "gpu_vmap", "\n".join([start, "## GPU: `vmap` against the usual loop", "", *lines, end])
+        )
     print("\n".join(lines))
 
 
