@@ -118,9 +118,8 @@ class Config:
     )
     compile: str = runtime_hp(
         "off",
-        "torch.compile the model's forward for evaluation, local steps (and full-data passes) or all; loop "
-        "engine and evaluation (vmap and process workers run eager); where it cannot compile, one warning line "
-        "and eager",
+        "torch.compile the model's forward for evaluation, local steps (and full-data passes) or all; vmap and "
+        "the process engine's channels-last workers stay eager; where it cannot compile, one warning line and eager",
         choices=("off", "eval", "steps", "all"),
     )
     client_store: str = runtime_hp(

@@ -67,7 +67,10 @@ class RoundWork:
 
 
 class Engine(Protocol):
-    """A round's cohort runner with the signature of ``loop_engine``; ``close()`` frees workers (idempotent)."""
+    """A round's cohort runner with the signature of ``loop_engine``; ``close()`` frees workers (idempotent).
+
+    An engine whose workers hold cores of their own may say how many in ``cores`` (the process engine does): they
+    idle between rounds, so the runner evaluates on them (``runner.server_threads``)."""
 
     name: str
 
