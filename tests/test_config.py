@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hafedho.config import RUNTIME_KEYS, Config, ConfigError, experiment_identity, load_config, parse_override
+from hafedho.config import RUNTIME_KEYS, Config, ConfigError, experiment_identity, load_config
 from hafedho.data.partition import PartitionError
 from hafedho.data.sources import DataError
 from hafedho.experiment import build
+from hafedho.toml_io import parse_override
 
 
 def test_embedded_default_and_overrides() -> None:

@@ -13,7 +13,7 @@ import pytest
 from helpers import BASE, run_smoke
 
 from hafedho.cli import main
-from hafedho.config import ConfigError, dump_toml
+from hafedho.config import ConfigError
 from hafedho.report.build import write_report
 from hafedho.report.layout import Layout, pct
 from hafedho.report.plots import twin_points
@@ -23,6 +23,7 @@ from hafedho.report.summary import summary_rows
 from hafedho.report.tables import section_tables
 from hafedho.report.tables.rounds import rounds_tables
 from hafedho.sweep.index import IndexEntry, SweepIndex, read_index
+from hafedho.toml_io import dump_toml
 
 
 def make_run(

@@ -15,7 +15,7 @@ from helpers import SMOKE, SMOKE_PRESET_TABLES
 
 from hafedho.algorithms import resolve_algorithm
 from hafedho.cli import main
-from hafedho.config import ConfigError, dump_toml, load_config, read_toml
+from hafedho.config import ConfigError, load_config
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
 from hafedho.results import RunLock, read_metrics
@@ -23,6 +23,7 @@ from hafedho.sweep.execute import run_spec, run_status, run_sweep
 from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, read_index, write_index
 from hafedho.sweep.presets import PRESET_DIR, SCALES, Preset, list_presets, load_preset
+from hafedho.toml_io import dump_toml, read_toml
 
 # Every paper preset, read off the presets folder (a new preset is one file there: no list to extend here).
 PAPER = sorted(p.stem for p in PRESET_DIR.glob("*.toml") if not p.stem.startswith("_"))

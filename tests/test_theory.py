@@ -314,8 +314,8 @@ def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
     1, the error of h = 0, is said to be no better than h = 0."""
     import json
 
-    from hafedho.config import dump_toml
     from hafedho.report.build import write_report
+    from hafedho.toml_io import dump_toml
 
     errs = {
         ("constant", 0.05): [0.9, 0.8, 0.85, 0.9],

@@ -16,15 +16,13 @@ from hafedho.config import (
     CONFIG_DIR,
     Config,
     ConfigError,
-    _merge,
     config_from_table,
     config_path,
-    parse_override,
-    read_toml,
 )
 from hafedho.core import FedAlgorithm
 from hafedho.data.sources import SOURCES, Source, as_source
 from hafedho.models import MODELS, check_model_factory
+from hafedho.toml_io import deep_merge, parse_override, read_toml
 
 __all__ = ["RunResult", "register", "run"]
 
@@ -83,8 +81,8 @@ def run(
 
     table = _table(config)
     for text in overrides:
-        table = _merge(table, parse_override(text))
-    table = _merge(table, dict(settings))
+        table = deep_merge(table, parse_override(text))
+    table = deep_merge(table, dict(settings))
     if out is not None:
         table["out"] = str(out)
     exp = build(config_from_table(table), module=module)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
 from hafedho.core.refs import file_name
 from hafedho.data.partition import FLWR, PARTITIONS
 from hafedho.sim.engines.registry import ENGINES, engine_help, option_field
+from hafedho.toml_io import deep_merge, parse_override, read_toml
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -269,41 +269,6 @@ def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
     return cls(**values)
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """``a.b=value`` -> ``{"a": {"b": value}}``; the value is read as TOML, else taken as a string."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value, e.g. algorithm.mu=0.01")
-    key, raw = (s.strip() for s in text.split("=", 1))
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    out: dict[str, Any] = {}
-    node = out
-    parts = key.split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = value
-    return out
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p} is a folder, not a TOML file" if p.is_dir() else f"config file not found: {p}")
-    try:
-        return tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a byte-order mark (some editors) is no statement
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from None
-
-
 def config_path(name: str | Path) -> Path:
     """A TOML path, or the file of an embedded config (``default``, ``demo``, ``smoke``) when no such path exists."""
     p = Path(name)
@@ -316,7 +281,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """The resolved config: defaults < file (or the embedded default) < overrides, then checked."""
     table = read_toml(path if path is not None else CONFIG_DIR / "default.toml")
     for text in overrides:
-        table = _merge(table, parse_override(text))
+        table = deep_merge(table, parse_override(text))
     return config_from_table(table)
 
 
@@ -382,42 +347,3 @@ def check_run_name(name: str) -> None:
             f"name={name!r}: a run name must be one folder name (not '.' or '..', no '/', '\\', NUL, "
             "leading '-' or surrounding spaces); e.g. name=my-run"
         )
-
-
-def cohort_size(cfg: Config, num_clients: int) -> int:
-    """m for fixed-size sampling, checked against the real N (known once the partition is built)."""
-    s = cfg.sampling
-    m = s.cohort_size or max(1, round(s.fraction * num_clients))
-    if m > num_clients:
-        raise ConfigError(f"sampling.cohort_size={m} exceeds the {num_clients} clients; lower it")
-    return m
-
-
-def dump_toml(d: dict[str, Any]) -> str:
-    """A minimal TOML writer for resolved configs (tables, strings, numbers, bools, lists)."""
-    lines: list[str] = []
-    tables: list[tuple[str, dict[str, Any]]] = []
-    for k, v in d.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        else:
-            lines.append(f"{k} = {_toml_value(v)}")
-    out = "\n".join(lines)
-    for name, t in tables:
-        inner = {k: v for k, v in t.items() if not isinstance(v, dict)}
-        out += f"\n\n[{name}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in inner.items())
-        for sub, st in ((k, v) for k, v in t.items() if isinstance(v, dict)):
-            out += f"\n\n[{name}.{sub}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in st.items())
-    return out.strip() + "\n"
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")

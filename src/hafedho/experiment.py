@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hafedho.config import Config, ConfigError, ModelConfig, canonical_json, cohort_size
+from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
 from hafedho.core import FedAlgorithm, FunctionalModel
 from hafedho.core.seeds import seed_for
 from hafedho.data import partition as P
@@ -45,6 +45,15 @@ class Experiment:
         if s.mode == "bernoulli":
             return bernoulli_cohort(self.cfg.seed, rnd, n, s.prob)
         return fixed_cohort(self.cfg.seed, rnd, n, cohort_size(self.cfg, n))
+
+
+def cohort_size(cfg: Config, num_clients: int) -> int:
+    """m for fixed-size sampling, checked against the real N (known once the partition is built)."""
+    s = cfg.sampling
+    m = s.cohort_size or max(1, round(s.fraction * num_clients))
+    if m > num_clients:
+        raise ConfigError(f"sampling.cohort_size={m} exceeds the {num_clients} clients; lower it")
+    return m
 
 
 def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:

@@ -16,10 +16,8 @@ from hafedho.config import (
     Config,
     ConfigError,
     config_from_table,
-    dump_toml,
     experiment_identity,
     identity_diff,
-    read_toml,
 )
 from hafedho.results import (
     RunBusy,
@@ -34,6 +32,7 @@ from hafedho.results import (
 )
 from hafedho.sim import checkpoint
 from hafedho.sim.store import ClientStore
+from hafedho.toml_io import dump_toml, read_toml
 from hafedho.tracking import Tracking, trackers_for
 
 

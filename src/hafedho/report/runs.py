@@ -27,11 +27,11 @@ from hafedho.config import (
     config_from_table,
     experiment_identity,
     flatten,
-    read_toml,
 )
 from hafedho.report.paths import relative_paths
 from hafedho.results import read_metrics, why_no_rows
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
+from hafedho.toml_io import read_toml
 
 # A centralised plain run (one client holding everything) ignores these keys, so it matches every column.
 _CENTRAL_FREE = ("data.partition", "data.q", "data.num_clients", "data.min_size", "data.partition_seed")

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hafedho.config import Config, ConfigError, config_from_table, parse_override
+from hafedho.config import Config, ConfigError, config_from_table
 from hafedho.core.refs import file_name
-from hafedho.sweep.presets import Preset, deep_merge, is_config_key, nest
+from hafedho.sweep.presets import Preset, is_config_key, nest
+from hafedho.toml_io import deep_merge, parse_override
 
 
 @dataclass

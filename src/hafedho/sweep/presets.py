@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hafedho.config import CONFIG_DIR, Config, ConfigError, read_toml
+from hafedho.config import CONFIG_DIR, Config, ConfigError
+from hafedho.toml_io import deep_merge, read_toml
 
 PRESET_DIR = CONFIG_DIR / "paper"
 SCALES = ("cpu", "full")
@@ -65,14 +66,6 @@ def preset_path(name: str) -> Path:
     if (PRESET_DIR / f"{name}.toml").is_file():
         return PRESET_DIR / f"{name}.toml"
     raise ConfigError(f"unknown preset {name!r}; packaged presets: {', '.join(list_presets())}, or pass a .toml file")
-
-
-def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """``extra`` over ``base``; tables merge key by key, anything else is replaced."""
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def nest(table: dict[str, Any]) -> dict[str, Any]:
