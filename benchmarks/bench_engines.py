@@ -45,10 +45,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hafedho.config import CONFIG_DIR, load_config
 from hafedho.core import RoundInfo
+from hafedho.engine_registry import make_engine
 from hafedho.experiment import build
 from hafedho.models import count_flops
-from hafedho.sim.engines.base import RoundWork, available_cores
-from hafedho.sim.engines.registry import make_engine
+from hafedho.runtime.work import RoundWork, available_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -166,7 +166,7 @@ def serve(workload: str, engine_name: str, algorithm: str, warm_clients: int) ->
     usual = UsualLoop(exp) if engine_name == "usual" else None
     engine = None if usual else make_engine(engine_name, workers=0, vmap_chunk=0)
     server = alg.init_server(model.params())
-    from hafedho.sim.store import ClientStore
+    from hafedho.runtime.store import ClientStore
 
     store = ClientStore(alg.init_client(model.params()), fed.num_clients)
 

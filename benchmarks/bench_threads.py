@@ -33,7 +33,7 @@ from doc_sections import markers, write_section
 
 from hafedho.config import CONFIG_DIR, load_config
 from hafedho.experiment import Experiment, build
-from hafedho.sim.engines.base import available_cores
+from hafedho.runtime.work import available_cores
 from hafedho.sim.runner import run
 
 START, END = markers("bench_threads")

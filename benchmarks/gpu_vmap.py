@@ -36,10 +36,10 @@ from tolerance import fp32_close, longest_reduction  # noqa: E402
 from hafedho.config import CONFIG_DIR, load_config  # noqa: E402
 from hafedho.core import RoundInfo  # noqa: E402
 from hafedho.experiment import build  # noqa: E402
-from hafedho.sim.engines.base import RoundWork  # noqa: E402
+from hafedho.runtime.store import ClientStore  # noqa: E402
+from hafedho.runtime.work import RoundWork  # noqa: E402
 from hafedho.sim.engines.loop import LoopEngine  # noqa: E402
 from hafedho.sim.engines.vmap import VmapEngine  # noqa: E402
-from hafedho.sim.store import ClientStore  # noqa: E402
 
 DATA: list[str] = []  # data.path=... from --data
 

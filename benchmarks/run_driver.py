@@ -37,7 +37,7 @@ def timed(phase: str, fn):
 
 
 def instrument() -> None:
-    import hafedho.rounds as rounds
+    import hafedho.runtime.rounds as rounds
     import hafedho.sim.fullgrad as fullgrad
     import hafedho.sim.runner as runner
 

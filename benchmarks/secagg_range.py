@@ -18,7 +18,7 @@ from hafedho.core import RoundInfo, tree
 from hafedho.experiment import build
 from hafedho.flower.common import config_path
 from hafedho.flower.secagg import weight_scale
-from hafedho.sim.engines.base import RoundWork
+from hafedho.runtime.work import RoundWork
 
 
 def largest_entry(name: str, alg: str, overrides: list[str]) -> tuple[float, int, float]:

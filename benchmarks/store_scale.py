@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from hafedho.algorithms.scaffold import SCAFFOLD
+from hafedho.core.sampling import fixed_cohort
 from hafedho.models import build_model
-from hafedho.sim.sampling import fixed_cohort
-from hafedho.sim.store import ClientStore
+from hafedho.runtime.store import ClientStore
 
 
 def status(key: str) -> float:

@@ -20,9 +20,9 @@ from hafedho.core.seeds import seed_for
 from hafedho.experiment import Experiment, build
 from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import client_template
-from hafedho.sim import checkpoint
+from hafedho.runtime import checkpoint
+from hafedho.runtime.store import ClientStore
 from hafedho.sim.runner import run
-from hafedho.sim.store import ClientStore
 
 
 class LocalGrid(Grid):

@@ -24,16 +24,16 @@ from hafedho.algorithms.fedavg import Broadcast, FedAvg
 from hafedho.config import Config, load_config
 from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, FunctionalModel, RoundInfo
 from hafedho.data.federated import BatchPlan, FederatedData
+from hafedho.engine_registry import ENGINES, OPTIONS, AutoEngine, auto_choice, engine_for, make_engine
 from hafedho.experiment import build
 from hafedho.models import build_model, cnn
-from hafedho.sim.engines import base
-from hafedho.sim.engines.base import RoundWork
+from hafedho.runtime import work as base
+from hafedho.runtime.store import ClientStore
+from hafedho.runtime.work import RoundWork
 from hafedho.sim.engines.loop import LoopEngine, loop_engine
 from hafedho.sim.engines.process import ProcessEngine, WorkerError, dumps, loads
-from hafedho.sim.engines.registry import ENGINES, OPTIONS, AutoEngine, auto_choice, engine_for, make_engine
 from hafedho.sim.engines.vmap import VmapEngine, stack_data
 from hafedho.sim.runner import Divergence, run
-from hafedho.sim.store import ClientStore
 
 CONTRACT = [
     "rounds=3",

@@ -28,7 +28,7 @@ from hafedho.data.sources import SOURCES
 from hafedho.experiment import build
 from hafedho.models import MODELS
 from hafedho.results import read_metrics
-from hafedho.sim import checkpoint
+from hafedho.runtime import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 FEDADAM = "examples.server_adam.fedadam:FedAdam"  # the tutorial's reference, resolved from the repository root

@@ -25,11 +25,11 @@ from hafedho.algorithms.scaffold import SCAFFOLD
 from hafedho.core import ClientData, FunctionalModel, Params, RoundInfo, WeightedMean, full_gradient
 from hafedho.data.federated import BatchPlan, FederatedData, plan_indices
 from hafedho.models import build_model
-from hafedho.sim.engines.base import RoundWork
+from hafedho.runtime.store import ClientStore
+from hafedho.runtime.work import RoundWork
 from hafedho.sim.engines.loop import loop_engine
 from hafedho.sim.engines.process import ProcessEngine
 from hafedho.sim.engines.vmap import VmapEngine, stack_data
-from hafedho.sim.store import ClientStore
 
 # ----------------------------------------------------------------------------- least squares in float64
 

@@ -1,6 +1,8 @@
-"""The import rules of docs/architecture.md: core imports nothing else of the package; algorithms import only core, and
-FedAvg's module (the base class the other algorithms subclass); data does not import the simulator; engines
-import only their base; Flower does not import the simulator's runner; no import cycle anywhere."""
+"""The import rules of docs/architecture.md: its layers, bottom to top (``LAYERS``: every import points down the
+list, peers never import each other); core imports nothing else of the package; algorithms import only core, and
+FedAvg's module (the base class the other algorithms subclass); data does not import the simulator; an engine
+imports no other engine nor the registry; Flower and the shared runtime do not import the simulator; no import
+cycle anywhere."""
 
 from __future__ import annotations
 
@@ -99,13 +101,13 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the modules it imports; a package's ``__init__`` re-exporting its own modules is no edge (Python
     runs the ``__init__`` before any of its modules, so ``from hafedho.core import tree`` in a core module is
     no cycle), but any other import from an ``__init__`` is."""
-    from hafedho.sim.engines.registry import ENGINES
+    from hafedho.engine_registry import ENGINES
 
     graph = {}
     for name, path in MODULES.items():
         own = name + "." if path.name == "__init__.py" else None
         graph[name] = {m for m in imported_modules(path) if own is None or not m.startswith(own)}
-    registry = "hafedho.sim.engines.registry"  # it imports its engines by module path, on demand: edges too
+    registry = "hafedho.engine_registry"  # it imports its engines by module path, on demand: edges too
     graph[registry] |= {spec.target.partition(":")[0] for spec in ENGINES.values()} - {registry}
     return graph
 
@@ -150,14 +152,57 @@ def test_data_does_not_import_the_simulator() -> None:
     assert not any(bad.values()), bad
 
 
-def test_engines_import_only_their_base() -> None:
-    """An engine module imports ``base`` and nothing else of ``sim.engines`` (least of all the registry, which
-    names the engines: that edge is the cycle the registry split removed)."""
+def test_engines_import_no_other_engine_nor_the_registry() -> None:
+    """An engine module stands on ``runtime.work`` and imports nothing else of ``sim`` (least of all the registry,
+    which names the engines: that edge is the cycle the registry split removed)."""
     graph = import_graph()
     for m in graph:
-        if m.startswith("hafedho.sim.engines.") and m != "hafedho.sim.engines.registry":
-            inside = {i for i in graph[m] if i.startswith("hafedho.sim.engines")}
-            assert inside <= {"hafedho.sim.engines.base"}, (m, inside)
+        if m.startswith("hafedho.sim.engines."):
+            bad = {i for i in graph[m] if i.startswith("hafedho.sim") or i == "hafedho.engine_registry"}
+            assert not bad, (m, bad)
+
+
+# docs/architecture.md's order, bottom to top: a module imports only its own group and the layers below; the
+# groups of one layer are peers and never import each other.
+LAYERS: list[set[str]] = [
+    {"core"},
+    {"algorithms", "models", "data", "toml_io", "engine_registry", "results"},
+    {"config"},
+    {"experiment", "tracking"},
+    {"runtime"},
+    {"sim", "flower"},
+    {"sweep"},
+    {"report"},
+    {"api"},
+    {"cli", "hafedho"},  # hafedho: the package's __init__ (hafedho.run, hafedho.register)
+    {"__main__"},  # python -m hafedho
+]
+
+
+def group(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_imports_follow_the_documented_layers() -> None:
+    """Every import points down docs/architecture.md's list. The one exception is the engine registry's edges to
+    the engines it names by module path (loaded on demand, as plugins are) and to their types for annotations."""
+    level = {g: i for i, layer in enumerate(LAYERS) for g in layer}
+    graph = import_graph()
+    assert {group(m) for m in graph} == set(level), sorted({group(m) for m in graph} ^ set(level))
+    bad = []
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = group(m), group(d)
+            if a == b or (a == "engine_registry" and b in ("sim", "runtime")):
+                continue
+            if level[b] >= level[a]:
+                bad.append(f"{m} -> {d}")
+    assert not bad, bad
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text().split("```")[1]
+    shown = [g for g in re.findall(r"^(\w+)", doc, flags=re.M)]
+    order = [g for layer in LAYERS for g in sorted(layer - {"__main__", "hafedho"}, key=shown.index)]
+    assert shown == order, (shown, order)
 
 
 def test_every_seed_purpose_is_listed_and_used() -> None:
@@ -191,18 +236,16 @@ def imported_names(path: Path) -> set[str]:
     return names
 
 
-SHARED_BY_RUNTIMES = ("experiment.py", "rounds.py", "rundir.py", "results.py")
+SHARED_BY_RUNTIMES = [*sorted((SRC / "runtime").glob("*.py")), SRC / "experiment.py", SRC / "results.py"]
 
 
 @pytest.mark.parametrize(
-    "path",
-    sorted((SRC / "flower").glob("*.py")) + [SRC / name for name in SHARED_BY_RUNTIMES],
-    ids=lambda p: f"{p.parent.name}/{p.name}",
+    "path", sorted((SRC / "flower").glob("*.py")) + SHARED_BY_RUNTIMES, ids=lambda p: f"{p.parent.name}/{p.name}"
 )
-def test_flower_and_the_shared_round_code_do_not_import_the_simulators_runner(path: Path) -> None:
-    """One round loop: Flower and the simulator share ``rounds``/``rundir``/``experiment``; neither those nor
-    Flower reach into the simulator's own loop (``hafedho.sim.runner``)."""
-    assert "hafedho.sim.runner" not in imported_names(path), imported_names(path)
+def test_flower_and_the_shared_round_code_do_not_import_the_simulator(path: Path) -> None:
+    """One round loop: Flower and the simulator stand on ``runtime``/``experiment``; neither those nor Flower
+    reach into the simulator (``hafedho.sim``: its runner, engines and full-data passes)."""
+    assert not {m for m in imported_names(path) if m.startswith("hafedho.sim")}, imported_names(path)
 
 
 def test_the_readmes_layout_block_names_every_module() -> None:

@@ -20,7 +20,7 @@ from hafedho.data.partition import (
     partition_hash,
 )
 from hafedho.models import build_model
-from hafedho.sim.engines.base import RoundWork
+from hafedho.runtime.work import RoundWork
 
 NUM_CLASSES = 10
 

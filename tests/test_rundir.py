@@ -241,7 +241,7 @@ def test_bad_places_and_values_are_one_line(
 def test_ctrl_c_says_where_to_resume_and_resume_matches(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hafedho.rundir as rundir
+    import hafedho.runtime.rundir as rundir
 
     assert run_smoke(tmp_path / "a", "rounds=6") == 0
     real = rundir.append_metrics

@@ -355,7 +355,7 @@ def test_garbage_npz_and_natural_ids_without_ids(tmp_path: Path, capsys: pytest.
 
 
 def test_a_diverged_marker_names_no_absolute_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hafedho.rounds import ServerRounds
+    from hafedho.runtime.rounds import ServerRounds
 
     real = ServerRounds._check_finite
 

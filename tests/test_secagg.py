@@ -30,7 +30,7 @@ from hafedho.flower.secagg import SecAggSettings, check_algorithm, client_vector
 from hafedho.flower.secagg_server import SecureRounds
 from hafedho.flower.strategy import HafedhoStrategy
 from hafedho.results import read_metrics
-from hafedho.sim.engines.base import RoundWork
+from hafedho.runtime.work import RoundWork
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
 deployments = test_flower.deployments  # the Flower tests' fixture: processes ended by pid, pass or fail

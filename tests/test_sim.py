@@ -16,13 +16,13 @@ import torch
 from helpers import SMOKE, no_wall, smoke_config
 
 from hafedho.config import load_config
+from hafedho.core.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.data.federated import BatchPlan, plan_indices
 from hafedho.experiment import build
 from hafedho.results import RunDirError, read_metrics
-from hafedho.sim import checkpoint
+from hafedho.runtime import checkpoint
+from hafedho.runtime.store import ClientStore
 from hafedho.sim.runner import Divergence, run
-from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
-from hafedho.sim.store import ClientStore
 
 
 def test_fixed_cohorts_are_pure_functions_of_seed_and_round() -> None:
@@ -136,7 +136,7 @@ def test_divergence_stops_with_message_and_keeps_last_checkpoint(tmp_path: Path)
 def test_an_early_blow_up_is_diverged_naming_the_lr(tmp_path: Path) -> None:
     """lr = 10 on the smoke logreg: round 1's mean local loss (13.2) is finite but over 2x the initial model's
     (2.40, ln 10 = 2.30), so the run stops there as diverged and the one line names the lr; lr = 0.1 passes."""
-    from hafedho.rounds import BLOWUP_FACTOR, BLOWUP_ROUNDS, ServerRounds
+    from hafedho.runtime.rounds import BLOWUP_FACTOR, BLOWUP_ROUNDS, ServerRounds
 
     cfg = smoke_config(tmp_path, *RESUMABLE, "rounds=3", "algorithm.name=fedavg", "algorithm.lr=10.0")
     exp = build(cfg)

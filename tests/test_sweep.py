@@ -378,7 +378,7 @@ def test_cpu_preset_full_grid_two_rounds(name: str, shared_data: Path, tmp_path:
 def test_ctrl_c_ends_a_sweep_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hafedho.rundir as rundir
+    import hafedho.runtime.rundir as rundir
 
     path = tiny(tmp_path)
     real = rundir.append_metrics

@@ -25,7 +25,7 @@ from hafedho.cli import main
 from hafedho.config import ConfigError
 from hafedho.flower.procs import Service, descendants, free_port
 from hafedho.results import read_metrics
-from hafedho.rundir import RUN_FILES
+from hafedho.runtime.rundir import RUN_FILES
 from hafedho.sweep.execute import run_spec
 from hafedho.sweep.expand import expand
 from hafedho.sweep.presets import load_preset

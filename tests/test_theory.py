@@ -23,9 +23,9 @@ from hafedho.data.federated import FederatedData
 from hafedho.experiment import Experiment, build
 from hafedho.flower.common import check_deployable
 from hafedho.results import read_metrics
+from hafedho.runtime.store import ClientStore
 from hafedho.sim import fullgrad
 from hafedho.sim.runner import run
-from hafedho.sim.store import ClientStore
 
 F64 = torch.float64
 

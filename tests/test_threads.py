@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import SMOKE, smoke_config
 
-from hafedho import rounds
 from hafedho.config import RUNTIME_KEYS, Config, load_config
 from hafedho.core import ConfigError
 from hafedho.experiment import build
+from hafedho.runtime import rounds
 from hafedho.sim import runner
 from hafedho.sweep import execute as sweep
 

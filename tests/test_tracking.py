@@ -118,7 +118,7 @@ def test_a_missing_extra_is_one_line_before_anything_is_written(
 
 def interrupt_at(monkeypatch: pytest.MonkeyPatch, rnd: int) -> None:
     """Ctrl-C while round ``rnd``'s row is written (as tests/test_rundir.py does)."""
-    import hafedho.rundir as rundir
+    import hafedho.runtime.rundir as rundir
 
     real = rundir.append_metrics
 

@@ -24,7 +24,7 @@ def run_one(cfg: Config, resume: bool = False, force: bool = False, progress: bo
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hafedho.rundir import is_finished
+    from hafedho.runtime.rundir import is_finished
 
     cfg = load_config(None if args.config is None else config_path(args.config), args.overrides)
     if args.out:

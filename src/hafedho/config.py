@@ -18,7 +18,7 @@ from hafedho.algorithms import algorithm_from_table, applicable
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
 from hafedho.core.refs import file_name
 from hafedho.data.partition import FLWR, PARTITIONS
-from hafedho.sim.engines.registry import ENGINES, engine_help, option_field
+from hafedho.engine_registry import ENGINES, engine_help, option_field
 from hafedho.toml_io import deep_merge, parse_override, read_toml
 
 CONFIG_DIR = Path(__file__).parent / "configs"

@@ -16,13 +16,13 @@ from torch import nn
 
 from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
 from hafedho.core import FedAlgorithm, FunctionalModel
+from hafedho.core.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.core.seeds import seed_for
 from hafedho.data import partition as P
 from hafedho.data.federated import BatchPlan, FederatedData, split_local_test
 from hafedho.data.flwr_partition import flwr_partition
 from hafedho.data.sources import Dataset, load_dataset
 from hafedho.models import build_model
-from hafedho.sim.sampling import bernoulli_cohort, fixed_cohort
 
 
 @dataclass

@@ -8,7 +8,7 @@
     RUN/checkpoint.pt    everything needed to continue bit-identically
     RUN/done             written last; RUN/diverged holds the message of a run stopped by NaN
 
-These are the files' formats and primitives; ``hafedho.rundir.RunDir`` is what runtimes write them through.
+These are the files' formats and primitives; ``hafedho.runtime.rundir.RunDir`` is what runtimes write them through.
 Every file is written atomically (a temporary file unique to the writer, then a rename), so a killed process
 never leaves half a file. One process at a time writes a run: ``RunLock`` (``.locks/NAME.lock`` beside the run
 directory's real path, so two paths to one directory, e.g. through a symbolic link, take one lock).
@@ -66,7 +66,7 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-# Every row has these (``hafedho.rounds.ServerRounds.finish_round``); its numbers are finite, but for NONFINITE_OK.
+# Every row has these (``runtime.rounds.ServerRounds.finish_round``); its numbers are finite, but for NONFINITE_OK.
 REQUIRED_KEYS = ("round", "cohort_size", "wall_s", "bytes_up", "bytes_down")
 NONFINITE_OK = frozenset({"test/loss"})  # a finite model can still give an infinite loss on a test example
 
@@ -155,7 +155,7 @@ class RunBusy(RunDirError):
 
 class RunLock:
     """An advisory lock per run (``.locks/NAME.lock`` beside the run directory's real path) that every writer of
-    a run takes through ``hafedho.rundir.RunDir`` (the simulator's ``run``, so ``hafedho run``, demos and sweeps;
+    a run takes through ``runtime.rundir.RunDir`` (the simulator's ``run``, so ``hafedho run``, demos and sweeps;
     the Flower strategy).
     The OS drops it when the holder dies, so a killed process never leaves a stale lock. ``with RunLock(d) as
     held``: ``held`` is False when someone else holds it (even in this process); the holder's pid is then in

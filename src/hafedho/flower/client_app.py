@@ -1,7 +1,7 @@
 """The Flower ClientApp: a SuperNode's half of any registered algorithm.
 
 ``train`` runs exactly the simulator's client step, ``RoundWork.client_update`` (its seeding, its data,
-``alg.client_update``), and ``evaluate`` the simulator's ``hafedho.rounds.client_accuracy``. The client's
+``alg.client_update``), and ``evaluate`` the simulator's ``hafedho.runtime.rounds.client_accuracy``. The client's
 ``ClientState`` lives in ``context.state``, which the SuperNode keeps for the run. The node's partition (= the
 simulator's client id) and N come from its node config and are checked against what the server sends; nothing
 is guessed.
@@ -39,8 +39,8 @@ from hafedho.flower.common import (
     server_template,
     set_threads,
 )
-from hafedho.rounds import client_accuracy
-from hafedho.sim.engines.base import RoundWork
+from hafedho.runtime.rounds import client_accuracy
+from hafedho.runtime.work import RoundWork
 
 app = ClientApp(mods=[secagg.client_mod])  # SecAgg+ messages only; the rest pass straight through
 

@@ -31,7 +31,7 @@ from hafedho.flower.secagg import (
     delta,
     weight_scale,
 )
-from hafedho.sim.engines.base import CohortResult
+from hafedho.runtime.work import CohortResult
 
 
 def _legacy_strategy() -> Any:

@@ -1,7 +1,7 @@
 """A Flower Strategy (Message API) that runs the server half of any registered hafedho algorithm.
 
-The strategy is transport only: the round's bookkeeping is the simulator's own (``hafedho.rounds.ServerRounds``
-and ``hafedho.rundir.RunDir``), so a Flower run writes the simulator's rows, checkpoints and markers.
+The strategy is transport only: the round's bookkeeping is the simulator's own (``hafedho.runtime.rounds.ServerRounds``
+and ``hafedho.runtime.rundir.RunDir``), so a Flower run writes the simulator's rows, checkpoints and markers.
 Round t:
     configure_train   the cohort is ``Experiment.cohort(t)`` (pure in seed and round); its clients are the nodes
                       whose node config names those partition ids; each gets the round's broadcast as flat
@@ -35,9 +35,9 @@ from hafedho.config import ConfigError
 from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, digest, upload_template
-from hafedho.rounds import ServerRounds, pooled_accuracy, run_facts
-from hafedho.rundir import RunDir
-from hafedho.sim.engines.base import CohortResult, CohortStream
+from hafedho.runtime.rounds import ServerRounds, pooled_accuracy, run_facts
+from hafedho.runtime.rundir import RunDir
+from hafedho.runtime.work import CohortResult, CohortStream
 
 
 class HafedhoStrategy(Strategy):

@@ -32,7 +32,7 @@ from torch import Tensor
 from hafedho.core import Params, RoundInfo, full_gradient, tree
 from hafedho.core.seeds import seed_for
 from hafedho.experiment import Experiment
-from hafedho.sim.store import ClientStore
+from hafedho.runtime.store import ClientStore
 
 WEIGHTINGS = ("uniform", "data_size")  # a_j = 1/N, a_j = p_j (``core.aggregation_weight``'s names)
 DIAG_KEYS = ("diag/h_cos", "diag/h_rel_err", "diag/h_norm", "diag/target_norm", "diag/grad_norm", "diag/seconds")

@@ -1,6 +1,6 @@
 """The simulator's round loop: sample, broadcast, run the cohort on an engine, then the shared bookkeeping
-(``hafedho.rounds.ServerRounds``: server update, divergence check, evaluation, metrics row, checkpoint) into the
-run directory (``hafedho.rundir.RunDir``)."""
+(``hafedho.runtime.rounds.ServerRounds``: server update, divergence check, evaluation, metrics row, checkpoint) into the
+run directory (``hafedho.runtime.rundir.RunDir``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hafedho.engine_registry import engine_for
 from hafedho.experiment import Experiment
 from hafedho.results import RunDirError, read_metrics
-from hafedho.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
-from hafedho.rundir import RunDir
-from hafedho.sim.engines.base import Engine, RoundWork, available_cores
-from hafedho.sim.engines.registry import engine_for
+from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
+from hafedho.runtime.rundir import RunDir
+from hafedho.runtime.store import ClientStore
+from hafedho.runtime.work import Engine, RoundWork, available_cores
 from hafedho.sim.fullgrad import prepare_round
-from hafedho.sim.store import ClientStore
 
 __all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
 

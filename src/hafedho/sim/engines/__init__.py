@@ -16,7 +16,8 @@ reduction length and the number of steps) for smooth models. With ReLU or max po
 can flip a near-tie (one unit of one example), which moves that unit's gradient by O(1) in one step; engines
 then agree in distribution (same accuracy), not to a float bound, and the tests compare smoothed models.
 
-Modules: ``base`` (the ``Engine`` protocol, ``RoundWork``, ``CohortStream``, ``CohortResult``), one module per
-engine (``loop``, ``process``, ``vmap``; each imports only ``base``), and ``registry`` (``ENGINES``,
-``make_engine``, ``auto``), which the config reads for its choices and options. This file imports nothing.
+Modules: one per engine (``loop``, ``process``, ``vmap``), each on ``hafedho.runtime.work`` (the ``Engine``
+protocol, ``RoundWork``, ``CohortStream``, ``CohortResult``) and none on another; ``hafedho.engine_registry``
+(``ENGINES``, ``make_engine``, ``auto``) names them by module path, below the config, which reads it for its
+choices and options. This file imports nothing.
 """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hafedho.sim.engines.base import CohortResult, CohortStream, RoundWork
-from hafedho.sim.store import ClientStore
+from hafedho.runtime.store import ClientStore
+from hafedho.runtime.work import CohortResult, CohortStream, RoundWork
 
 
 def loop_engine(work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:

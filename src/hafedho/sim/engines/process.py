@@ -42,8 +42,8 @@ from torch.func import functional_call
 from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.tree import Params
 from hafedho.data.federated import FederatedData
-from hafedho.sim.engines.base import CohortResult, CohortStream, RoundWork, available_cores
-from hafedho.sim.store import ClientStore
+from hafedho.runtime.store import ClientStore
+from hafedho.runtime.work import CohortResult, CohortStream, RoundWork, available_cores
 
 IN_FLIGHT = 2  # clients queued per worker, so a worker never waits for the parent between clients
 WINDOW = 4  # per worker: how far dispatch may run ahead of the oldest unfinished client (bounds the buffer)

@@ -25,8 +25,8 @@ from torch.utils import _pytree as pytree
 
 from hafedho.core import ClientData, FunctionalModel
 from hafedho.core.seeds import seed_for
-from hafedho.sim.engines.base import CohortResult, CohortStream, RoundWork
-from hafedho.sim.store import ClientStore
+from hafedho.runtime.store import ClientStore
+from hafedho.runtime.work import CohortResult, CohortStream, RoundWork
 
 
 def stack_trees(trees: list[Any]) -> Any:

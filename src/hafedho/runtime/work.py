@@ -13,7 +13,7 @@ import torch
 from hafedho.core import ClientInfo, ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.seeds import seed_for
 from hafedho.data.federated import BatchPlan, FederatedData
-from hafedho.sim.store import ClientStore
+from hafedho.runtime.store import ClientStore
 
 
 @dataclass

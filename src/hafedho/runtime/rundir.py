@@ -30,8 +30,8 @@ from hafedho.results import (
     truncate_metrics,
     write_json,
 )
-from hafedho.sim import checkpoint
-from hafedho.sim.store import ClientStore
+from hafedho.runtime import checkpoint
+from hafedho.runtime.store import ClientStore
 from hafedho.toml_io import dump_toml, read_toml
 from hafedho.tracking import Tracking, trackers_for
 

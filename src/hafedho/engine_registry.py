@@ -1,7 +1,7 @@
 """The engine registry: ``engine = NAME`` in a config builds ``ENGINES[NAME]``; ``auto`` picks among them.
 
 A new engine is one module beside the others (a class with the ``Engine`` protocol, importing only
-``hafedho.sim.engines.base``) plus one ``ENGINES`` line here; the config's ``engine`` choices and help come
+``hafedho.runtime.work``) plus one ``ENGINES`` line here; the config's ``engine`` choices and help come
 from this table. An engine option (``workers``, ``vmap_chunk``) is declared once in ``OPTIONS``; ``config.Config``
 takes its field from there (``option_field``) and a test checks that the two agree.
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from hafedho.core import FunctionalModel
-    from hafedho.sim.engines.base import CohortResult, Engine, RoundWork
-    from hafedho.sim.store import ClientStore
+    from hafedho.runtime.store import ClientStore
+    from hafedho.runtime.work import CohortResult, Engine, RoundWork
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ ENGINES: dict[str, EngineSpec] = {
     "loop": EngineSpec("hafedho.sim.engines.loop:LoopEngine", "reference"),
     "process": EngineSpec("hafedho.sim.engines.process:ProcessEngine", "worker pool", {"workers": "workers"}),
     "vmap": EngineSpec("hafedho.sim.engines.vmap:VmapEngine", "vectorised, GPU", {"vmap_chunk": "chunk"}),
-    "auto": EngineSpec("hafedho.sim.engines.registry:AutoEngine", "fastest here", {k: k for k in OPTIONS}),
+    "auto": EngineSpec("hafedho.engine_registry:AutoEngine", "fastest here", {k: k for k in OPTIONS}),
 }
 
 
@@ -95,7 +95,7 @@ def engine_for(settings: Any) -> Engine:
 
 def auto_choice(model: FunctionalModel) -> str:
     """``vmap`` on a GPU, ``process`` on a multi-core CPU, else ``loop``."""
-    from hafedho.sim.engines import base  # loaded with the first engine, not with the config
+    from hafedho.runtime import work as base  # loaded with the first engine, not with the config
 
     if torch.cuda.is_available():
         return "vmap"

@@ -25,9 +25,9 @@ import torch
 from hafedho.core import ConfigError, RoundInfo, tree
 from hafedho.core.model import evaluate
 from hafedho.experiment import Experiment
-from hafedho.rundir import RunDir
-from hafedho.sim.engines.base import CohortResult
-from hafedho.sim.store import ClientStore
+from hafedho.runtime.rundir import RunDir
+from hafedho.runtime.store import ClientStore
+from hafedho.runtime.work import CohortResult
 
 
 class Divergence(RuntimeError):
