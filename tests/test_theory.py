@@ -140,22 +140,34 @@ def test_diagnostic_values_by_hand(plan: tuple[str, ...], aggregation: str, accu
     params = {"w": torch.tensor(w_t)}
     msg = ServerState(params, {"w": torch.tensor(g_prev)}, torch.tensor(1.0, dtype=F64))
     rnd = RoundInfo(t, 4, len(cohort))
-    full = fullgrad.full_gradients(exp, params, t, keep=cohort)
+    full = fullgrad.full_gradients(exp, params, t, keep=cohort, extra=fullgrad.diagnostic_weights(exp, rnd))
     got = fullgrad.diagnose(exp, msg, rnd, cohort, store, full, F64)
 
     n = np.array([len(c) for c in ROWS], dtype=float)
     p = n / n.sum()
     a = p if aggregation == "data_size" else np.full(4, 0.25)
     G = sum(a[j] * (w_t - xbar(j)) for j in range(4))
+    lam_all = np.array([exp.plan.steps_for(int(nj)) for nj in n], dtype=float)
+    mu_h = mu / (t - 1) if "inverse_round" in str(plan) else mu  # h was accumulated with mu_{t-1}
+    mu_ss = mu_h if accumulate == "phi" else 0.0  # "f" uploads no mu h
+    beta = 1 / (1 + lam_all * mu_ss * p)  # the steady state of algorithms/hafedho.py's docstring
+    g_star = sum(a[j] * beta[j] * lam_all[j] * (w_t - xbar(j)) for j in range(4)) / (1 - mu_ss * a @ (beta * lam_all))
     want: dict[str, float] = {}
     for c in cohort:
         removed = last[c] == t - 1
         h = g_prev - (p[c] * gi[c] if removed else 0.0)  # Algorithm 1's self-correction subtracts p_i g_i
         target = G - (a[c] * (w_t - xbar(c)) if removed else 0.0)
         lam = exp.plan.steps_for(int(n[c]))
-        mu_h = mu / (t - 1) if "inverse_round" in str(plan) else mu  # h was accumulated with mu_{t-1}
         s = lam / (1 - lam * mu_h) if accumulate == "phi" else lam
-        for k, v in hand_measure(h, target, s).items():
+        b_c = 1 / (1 + lam * mu_ss * p[c]) if removed else 1.0
+        ref = b_c * (g_star - (p[c] * lam * (w_t - xbar(c)) if removed else 0.0))
+        mu_t = mu / t if "inverse_round" in str(plan) else mu
+        extra = {
+            "diag/h_ss_rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref)),
+            "diag/h_def1_abs_err": float(np.linalg.norm(mu_t * h - target)),
+            "diag/ref_norm": float(np.linalg.norm(ref)),
+        }
+        for k, v in {**hand_measure(h, target, s), **extra}.items():
             want[k] = want.get(k, 0.0) + v / len(cohort)
     want["diag/grad_norm"] = float(np.linalg.norm(sum(p[j] * (w_t - xbar(j)) for j in range(4))))
     assert set(got) == set(want)
@@ -208,10 +220,10 @@ def test_diagnostics_are_part_of_the_run_identity() -> None:
 # ----------------------------------------------------------------------------- Proposition 1's ideal
 
 
-def hand_exact_rounds(exp: Experiment, rounds: int) -> list[np.ndarray]:
-    """The ideal's models w_2, ..., w_{rounds+1}, from its definition: h_i = lambda (G(w_t) - a_i grad f_i(w_t)),
-    lambda local steps of w <- w - lr (grad f_i(w) + mu h_i) on identical rows (so any batch is f_i), upload the sum
-    of grad phi, server w <- w - lr * mean of uploads."""
+def hand_exact_rounds(exp: Experiment, rounds: int, strength: float = 1.0) -> list[np.ndarray]:
+    """The ideal's models w_2, ..., w_{rounds+1}, from its definition: h_i = strength lambda (G(w_t) - a_i grad
+    f_i(w_t)), lambda local steps of w <- w - lr (grad f_i(w) + mu h_i) on identical rows (so any batch is f_i),
+    upload the sum of grad phi, server w <- w - lr * mean of uploads."""
     alg: HaFedHo = exp.alg  # type: ignore[assignment]
     lam, lr, mu = exp.cfg.clients.local_steps, alg.lr, alg.mu
     pts = [np.array(c[0]) for c in IDENTICAL]
@@ -222,7 +234,7 @@ def hand_exact_rounds(exp: Experiment, rounds: int) -> list[np.ndarray]:
         G = sum(a[j] * (w - pts[j]) for j in range(len(pts)))
         ups = []
         for i in exp.cohort(t).tolist():
-            h = lam * (G - a[i] * (w - pts[i]))
+            h = strength * lam * (G - a[i] * (w - pts[i]))
             y, g = w.copy(), np.zeros(2)
             for _ in range(lam):
                 d = (y - pts[i]) + mu * h
@@ -354,16 +366,16 @@ def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
 
 def test_estimation_preset() -> None:
     """The `estimation` preset at cpu scale: FEMNIST and CIFAR-10 at q = 0.3, constant mu and mu / t at the tuned mu
-    and constant mu at a quarter of it, 3 seeds, 100 rounds, diagnostics every 5 rounds."""
+    and constant mu at a quarter of it, the mu = 0 control, 3 seeds, 100 rounds, diagnostics every 5 rounds."""
     from hafedho.sweep.expand import expand
     from hafedho.sweep.presets import load_preset
 
     specs = expand(load_preset("estimation", "cpu"))
-    assert len(specs) == 2 * 3 * 3
+    assert len(specs) == 2 * 4 * 3
     cells = {
         (s.cfg.data.source, s.cfg.algorithm["hafedho"]["mu_schedule"], s.cfg.algorithm["hafedho"]["mu"]) for s in specs
     }
-    rows = (("constant", 0.08), ("inverse_round", 0.08), ("constant", 0.02))
+    rows = (("constant", 0.08), ("inverse_round", 0.08), ("constant", 0.02), ("constant", 0.0))
     assert cells == {(d, m, mu) for d in ("femnist", "cifar10") for m, mu in rows}
     assert all(s.cfg.diagnostics.every == 5 and s.cfg.rounds == 100 and s.cfg.data.q == 0.3 for s in specs)
     assert {s.cfg.seed for s in specs} == {0, 1, 2}
@@ -371,17 +383,23 @@ def test_estimation_preset() -> None:
 
 def test_ideal_preset_reads_converges_cifar10_runs() -> None:
     """`ideal` at cpu scale is converge's CIFAR-10 HaFedHo, twin, exact and FedAvg runs (the same run directories,
-    so neither preset reruns the other's runs) read at 100 rounds instead of 300, plus its own ideal at mu = 0.02."""
+    so neither preset reruns the other's runs) read at 100 rounds instead of 300, plus its own ideals at mu = 0.02
+    and at the practical h's strength (h_source = "exact_matched")."""
     from hafedho.sweep.expand import expand
     from hafedho.sweep.presets import load_preset
 
     ideal = expand(load_preset("ideal", "cpu"))
     converge = {s.name: s for s in expand(load_preset("converge", "cpu"))}
-    labels = {"hafedho", "hafedho-twin", "hafedho-exact", "fedavg", "hafedho-exact-mu-0.02"}
-    assert len(ideal) == 5 * 3 and {s.label for s in ideal} == labels
+    labels = {"hafedho", "hafedho-twin", "hafedho-exact", "fedavg", "hafedho-exact-mu-0.02", "hafedho-exact-matched"}
+    assert len(ideal) == 6 * 3 and {s.label for s in ideal} == labels
     small = [s for s in ideal if s.label == "hafedho-exact-mu-0.02"]  # the ablation, ideal's own
+    matched = [s for s in ideal if s.label == "hafedho-exact-matched"]  # ideal's own too
+    assert all(s.cfg.algorithm["hafedho"]["h_source"] == "exact_matched" for s in matched)
+    small += matched
     assert all(
-        s.cfg.algorithm["hafedho"]["mu"] == 0.02 and s.cfg.algorithm["hafedho"]["h_source"] == "exact" for s in small
+        s.cfg.algorithm["hafedho"]["mu"] == 0.02 and s.cfg.algorithm["hafedho"]["h_source"] == "exact"
+        for s in small
+        if s not in matched
     )
     for s in (s for s in ideal if s not in small):
         assert s.name in converge and converge[s.name].label == s.label, s.name

@@ -61,9 +61,22 @@ Switches for the paper's inconsistencies and ablations (defaults follow Algorith
                      broadcast (``ExactBroadcast``, ``attach_full_gradient``); the client removes its own share
                      from its whole local data (one extra pass, ``needs_full_pass``). docs/algorithms.md,
                      "Theorem 1 measured / Proposition 1's ideal".
+                     "exact_matched": the same ideal at the practical h's strength, h = lambda (G(w_t) - r_i a_i
+                     grad f_i(w_t)) / (1 - lambda mu_t) (its fixed point below); refused for lambda mu >= 1.
 
-Theorem 1 measured: ``estimate`` gives the ``[diagnostics]`` pass (``hafedho.sim.fullgrad``) the h a client uses, the
-exact target it stands for (G(w_t) minus the client's share when h removes it) and the steady-state scale.
+Theorem 1 measured: ``estimate`` gives the ``[diagnostics]`` pass (``hafedho.sim.fullgrad``) the h a client uses,
+the target it stands for, T_i = G(w_t) - r_i a_i grad f_i(w_t) (the other clients' share; r_i = 1 when h removes
+the client's own), and h's steady-state reference h_i^*: Algorithm 1's recursion frozen at w_t with every client
+uploading its exact gradients every round (noise-free, full participation, local iterates at w_t):
+    g_j = lambda_j (grad f_j + mu h_j),   h_j = g - r p_j g_j,   g = sum_j a_j g_j      (mu = mu_{t-1}, r = 1 with
+                                                                                          self-correction, else 0)
+    => g_j = beta_j lambda_j (grad f_j + mu g),  beta_j = 1 / (1 + r lambda_j mu p_j)
+    => g^* = sum_j a_j beta_j lambda_j grad f_j / (1 - mu sum_j a_j beta_j lambda_j)
+    => h_i^* = g^* - r_i p_i g_i^* = beta_i (g^* - r_i p_i lambda_i grad f_i)
+(accumulate="f": the mu h term is not uploaded, so mu = 0 in g_j and beta_j = 1; no fixed point when the
+denominator is <= 0: it is replaced by 1). h_i^* is not s T_i for any scalar s: h removes its own share at
+lambda_i p_i, the aggregate grows by the momentum 1 / (1 - lambda mu), and the whole is shrunk by beta_i; the legacy
+scale s = lambda / (1 - lambda mu) (``Estimate.scale``, diag/h_rel_err) leaves that mismatch as an error floor.
 
 Diff from FedAvg: the objective adds mu (f_hat + h^T (w - w_t)); everything else differs too (the broadcast carries
 g and f_hat, clients upload gradient sums and keep their last upload, the server steps along g with its own
@@ -76,6 +89,7 @@ import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -83,6 +97,7 @@ from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
+    Estimate,
     FedAlgorithm,
     Model,
     Params,
@@ -135,9 +150,9 @@ class HaFedHo(FedAlgorithm):
     mu_schedule: str = hp("constant", "mu_t = mu or mu / t", choices=("constant", "inverse_round"))
     h_source: str = hp(
         "aggregate",
-        "h: the stale aggregate g^{t-1} (Algorithm 1) or the exact lambda * gradient of the other clients' share at "
-        "w_t (Proposition 1's ideal; simulation only)",
-        choices=("aggregate", "exact"),
+        "h: the stale aggregate g^{t-1} (Algorithm 1), the exact lambda * gradient of the other clients' share at "
+        "w_t (Proposition 1's ideal; simulation only), or that ideal / (1 - lambda mu), the practical h's strength",
+        choices=("aggregate", "exact", "exact_matched"),
     )
 
     def init_server(self, params: Params) -> ServerState:
@@ -154,11 +169,11 @@ class HaFedHo(FedAlgorithm):
 
     @property
     def needs_full_pass(self) -> bool:
-        return self.h_source == "exact"  # the client's own share grad f_i(w_t), from its whole local data
+        return self.h_source != "aggregate"  # the client's own share grad f_i(w_t), from its whole local data
 
     @property
     def needs_full_gradient(self) -> bool:
-        return self.h_source == "exact"
+        return self.h_source != "aggregate"
 
     def attach_full_gradient(self, msg: Broadcast, full: dict[str, tuple[Params, Tensor]]) -> ExactBroadcast:
         grad, f = full[self.aggregation]
@@ -178,9 +193,9 @@ class HaFedHo(FedAlgorithm):
         steps: Tensor | float = 0.0,
     ) -> tuple[Params, Tensor, Tensor]:
         """``(h, f_hat, removed)``: the rectification the client uses in round ``rnd``; ``removed`` (bool, 0-d) says
-        whether the client's own share was taken out. h_source="exact" needs ``own = (grad f_i(w_t), f_i(w_t))`` and
+        whether the client's own share was taken out. The exact sources need ``own = (grad f_i(w_t), f_i(w_t))`` and
         ``steps`` = lambda."""
-        if self.h_source == "exact":
+        if self.h_source != "aggregate":
             if not isinstance(msg, ExactBroadcast) or own is None:
                 raise ValueError(
                     "hafedho: h_source='exact' needs the simulator's full-data gradient in the broadcast "
@@ -188,6 +203,8 @@ class HaFedHo(FedAlgorithm):
                 )
             removed = torch.tensor(self.self_correction)
             a = self.share(info, rnd) * float(self.self_correction)
+            if self.h_source == "exact_matched":  # the practical h's fixed point lambda T / (1 - lambda mu)
+                steps = steps / (1 - steps * self.mu_at(rnd.round))
             h = tree.scale(tree.axpy(-a, own[0], msg.grad), steps)
             return h, msg.f - a * own[1], removed
         # Branch-free self-correction (vmap-safe): c = p_i if sampled in round t-1, else 0.
@@ -195,6 +212,16 @@ class HaFedHo(FedAlgorithm):
         c = torch.where(prev, info.weight, torch.zeros_like(info.weight))
         h = tree.axpy(-c, state.g_i, msg.g)
         return h, msg.f_hat - c * state.f_hat_i, prev
+
+    def diagnostic_weightings(self, p: np.ndarray, steps: np.ndarray, rnd: RoundInfo) -> dict[str, np.ndarray]:
+        """w_j = a_j beta_j lambda_j (module docstring), for the steady-state reference's sum; none for the exact
+        sources, whose reference is their definition."""
+        if self.h_source != "aggregate":
+            return {}
+        a = p if self.aggregation == "data_size" else np.full_like(p, 1.0 / len(p))
+        mu = self.mu_at(max(rnd.round - 1, 1)) if self.accumulate == "phi" else 0.0  # h was uploaded with mu_{t-1}
+        beta = 1.0 / (1.0 + float(self.self_correction) * steps * mu * p)
+        return {"hafedho/steady": a * beta * steps}
 
     def estimate(
         self,
@@ -205,24 +232,37 @@ class HaFedHo(FedAlgorithm):
         full: dict[str, tuple[Params, Tensor]],
         own: tuple[Params, Tensor],
         steps: int,
-    ) -> tuple[Params, Params, float]:
-        """Theorem 1 measured: ``(h, target, s)`` with h as ``client_update`` uses it, target = G(w_t) minus the
-        client's share a_i grad f_i(w_t) when h removes it, and s the steady-state scale of h ~ s * target:
-        lambda / (1 - lambda mu_{t-1}) for accumulate="phi" (h = lambda (G + mu h) at a fixed point; lambda when
-        lambda mu >= 1, which has none), lambda for "f" and for h_source="exact"."""
+    ) -> Estimate:
+        """Theorem 1 measured: h as ``client_update`` uses it, T_i = G(w_t) - r_i a_i grad f_i(w_t), the legacy
+        scalar scale s (lambda / (1 - lambda mu_{t-1}) for accumulate="phi" while lambda mu < 1, else lambda; for
+        the exact sources their own factor), the steady-state reference h_i^* of the module docstring (for the exact
+        sources their definition, s T_i) and coef = mu_t, the factor h enters phi_i with."""
         h, _, removed = self.rectification(msg, state, info, rnd, own, float(steps))
         grad, _ = full[self.aggregation]
-        target = tree.axpy(-(removed.to(info.weight.dtype) * self.share(info, rnd)), own[0], grad)
-        lam_mu = steps * self.mu_at(max(rnd.round - 1, 1))
-        steady = self.h_source == "aggregate" and self.accumulate == "phi" and lam_mu < 1
-        return h, target, steps / (1 - lam_mu) if steady else float(steps)
+        r = removed.to(info.weight.dtype)
+        target = tree.axpy(-(r * self.share(info, rnd)), own[0], grad)
+        mu_prev = self.mu_at(max(rnd.round - 1, 1))
+        lam_mu = steps * mu_prev
+        coef = self.mu_at(rnd.round)
+        if self.h_source != "aggregate":
+            scale = steps / (1 - steps * coef) if self.h_source == "exact_matched" else float(steps)
+            return Estimate(h, target, scale, tree.scale(target, scale), coef)
+        steady = self.accumulate == "phi" and lam_mu < 1
+        scale = steps / (1 - lam_mu) if steady else float(steps)
+        mu = mu_prev if self.accumulate == "phi" else 0.0
+        wsum, total = full["hafedho/steady"]
+        den = 1 - mu * float(total)
+        g_star = tree.scale(wsum, 1 / den if den > 0 else 1.0)  # no fixed point when den <= 0
+        beta = 1 / (1 + r * steps * mu * info.weight)
+        reference = tree.scale(tree.axpy(-(r * info.weight * steps), own[0], g_star), beta)
+        return Estimate(h, target, scale, reference, coef)
 
     def client_update(
         self, msg: Broadcast, state: ClientState, data: ClientData, info: ClientInfo, rnd: RoundInfo, model: Model
     ) -> ClientResult:
         w_t, mu = msg.params, self.mu_at(rnd.round)
         own, steps = None, 0.0
-        if self.h_source == "exact":  # the client's own share at w_t, and lambda = its real local steps
+        if self.h_source != "aggregate":  # the client's own share at w_t, and lambda = its real local steps
             own = full_gradient(model, w_t, self.full_data(data))
             steps = (data.mask.flatten(1).sum(1) > 0).to(info.weight.dtype).sum()
         h, f_hat, _ = self.rectification(msg, state, info, rnd, own, steps)
@@ -246,6 +286,11 @@ class HaFedHo(FedAlgorithm):
 
     def run_notes(self, local_steps: int) -> dict[str, float]:
         lam_mu = local_steps * self.mu
+        if self.h_source == "exact_matched" and lam_mu >= 1:
+            raise ValueError(
+                f"hafedho: h_source='exact_matched' scales h by 1 / (1 - lambda*mu), undefined at lambda*mu = "
+                f"{local_steps}*{self.mu} = {lam_mu:g} >= 1; lower algorithm.hafedho.mu or clients.local_steps"
+            )
         if lam_mu >= 1:
             warnings.warn(
                 f"hafedho: lambda*mu = {local_steps}*{self.mu} = {lam_mu:g} >= 1: the rectified update acts as "

@@ -9,13 +9,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
 from torch import Tensor
 
 from hafedho.core.aggregate import WeightedMean
 from hafedho.core.tree import Params
 from hafedho.core.types import Aggregator, ClientData, ClientInfo, ClientResult, Model, RoundInfo
+
+
+class Estimate(NamedTuple):
+    """What ``FedAlgorithm.estimate`` gives the ``[diagnostics]`` pass for one client (docs/algorithms.md,
+    "Theorem 1 measured")."""
+
+    e: Params  # the estimate the client uses (HaFedHo: h)
+    target: Params  # the exact quantity it stands for at w_t (HaFedHo: the other clients' share T_i)
+    scale: float  # s with e ~ s * target (one scalar; the legacy diag/h_rel_err divides by it)
+    reference: Params  # what e would be at w_t in the noise-free, full-participation steady state
+    coef: float  # the factor e enters the objective with (HaFedHo: mu_t), for Definition 1's ||coef e - target||
 
 
 class ConfigError(ValueError):
@@ -142,13 +154,19 @@ class FedAlgorithm:
         full: dict[str, tuple[Params, Tensor]],
         own: tuple[Params, Tensor],
         steps: int,
-    ) -> tuple[Params, Params, float]:
-        """The ``[diagnostics]`` hook (simulation only): ``(e, target, s)`` for a client about to train in round
-        ``rnd`` from ``state``: the estimate ``e`` its ``client_update`` would use, the exact quantity ``target`` it
-        stands for (from ``full``, as in ``attach_full_gradient``, and ``own = (grad f_i(w_t), f_i(w_t))``), and
-        the steady-state scale ``s`` with ``e ~ s * target``; ``steps`` is the client's lambda. Algorithms that
-        keep no such estimate leave this out, and ``diagnostics.every > 0`` is refused for them."""
+    ) -> Estimate:
+        """The ``[diagnostics]`` hook (simulation only): the ``Estimate`` of a client about to train in round
+        ``rnd`` from ``state``: the estimate its ``client_update`` would use, the exact quantity it stands for (from
+        ``full``, as in ``attach_full_gradient``, plus the weightings of ``diagnostic_weightings`` by name, and
+        ``own = (grad f_i(w_t), f_i(w_t))``), its scale and steady-state reference; ``steps`` is the client's
+        lambda. Algorithms that keep no such estimate leave this out, and ``diagnostics.every > 0`` is refused."""
         raise NotImplementedError(f"{self.name} keeps no estimate for the diagnostics to measure")
+
+    def diagnostic_weightings(self, p: np.ndarray, steps: np.ndarray, rnd: RoundInfo) -> dict[str, np.ndarray]:
+        """Extra per-client weights ``w_j`` (shape ``[N]``) whose sums ``(sum_j w_j grad f_j(w_t), sum_j w_j)`` the
+        diagnostic pass hands ``estimate`` in ``full`` under the same name (the second slot is the weights' total,
+        not a loss); ``p`` holds p_j and ``steps`` each client's lambda_j. Default: none."""
+        return {}
 
     @classmethod
     def has_estimate(cls) -> bool:

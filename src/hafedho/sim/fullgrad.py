@@ -3,9 +3,11 @@
 Two users, one pass per round at most (docs/algorithms.md, "Theorem 1 measured / Proposition 1's ideal"):
 
 * ``[diagnostics] every = k`` (Theorem 1 measured): every k-th round, before the cohort trains, how well each
-  sampled client's estimate (HaFedHo's h, ``FedAlgorithm.estimate``) matches the exact quantity it stands for;
-  cohort means go into the round's metrics row as ``diag/*``. Only reads: the trajectory is bit-identical with
-  diagnostics on or off, and the pass's seconds are left out of ``wall_s`` (logged as ``diag/seconds``).
+  sampled client's estimate (HaFedHo's h, ``FedAlgorithm.estimate``) matches the exact quantity it stands for
+  (``diagnose``: the h used in round t), and after it trained, how well what it uploaded does (``fresh``: the h
+  round t+1 builds from round t's aggregate), both against the target at w_t; cohort means go into the round's
+  metrics row as ``diag/*``. Only reads: the trajectory is bit-identical with diagnostics on or off, and the
+  pass's seconds are left out of ``wall_s`` (logged as ``diag/seconds``).
 * ``alg.needs_full_gradient`` (HaFedHo's h_source="exact", Proposition 1's ideal): the aggregates are attached to
   the broadcast (``attach_full_gradient``) every round; the pass is then part of the method and of ``wall_s``.
 
@@ -29,13 +31,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hafedho.core import Params, RoundInfo, full_gradient, tree
+from hafedho.core import Estimate, Params, RoundInfo, full_gradient, tree
 from hafedho.core.seeds import seed_for
 from hafedho.experiment import Experiment
 from hafedho.runtime.store import ClientStore
 
 WEIGHTINGS = ("uniform", "data_size")  # a_j = 1/N, a_j = p_j (``core.aggregation_weight``'s names)
-DIAG_KEYS = ("diag/h_cos", "diag/h_rel_err", "diag/h_norm", "diag/target_norm", "diag/grad_norm", "diag/seconds")
+DIAG_KEYS = (
+    "diag/h_cos",  # cos(h, T): the h used in round t (built at w_{t-1}) against the target at w_t
+    "diag/h_rel_err",  # ||h / s - T|| / ||T||, the legacy scalar scale s (a floor of its own: docs/algorithms.md)
+    "diag/h_ss_rel_err",  # ||h - h^*|| / ||h^*||, against Algorithm 1's noise-free full-participation steady state
+    "diag/h_def1_abs_err",  # ||mu_t h - T||, Definition 1's absolute error
+    "diag/h_norm",
+    "diag/target_norm",
+    "diag/ref_norm",  # ||h^*||
+    "diag/grad_norm",
+    "diag/fresh_cos",  # the same three for round t's fresh aggregate (the h of round t+1) against the target at w_t
+    "diag/fresh_ss_rel_err",
+    "diag/fresh_def1_abs_err",
+    "diag/fresh_norm",
+    "diag/seconds",
+)
 
 
 class FullGradients(NamedTuple):
@@ -44,19 +60,32 @@ class FullGradients(NamedTuple):
     grad: dict[str, Params]  # weighting -> sum_j a_j grad f_j(w_t)
     f: dict[str, Tensor]  # weighting -> sum_j a_j f_j(w_t)
     own: dict[int, tuple[Params, Tensor]]  # kept client i -> (grad f_i(w_t), f_i(w_t)), in the parameters' dtype
+    extra: dict[str, tuple[Params, Tensor]] | None = None  # name -> (sum_j w_j grad f_j, sum_j w_j), float64
 
-    def aggregates(self, dtype: torch.dtype) -> dict[str, tuple[Params, Tensor]]:
-        """What ``FedAlgorithm.attach_full_gradient`` and ``estimate`` receive: the aggregates in ``dtype``."""
-        return {w: ({k: v.to(dtype) for k, v in self.grad[w].items()}, self.f[w].to(dtype)) for w in WEIGHTINGS}
+    def aggregates(self, dtype: torch.dtype, prefix: str | None = None) -> dict[str, tuple[Params, Tensor]]:
+        """What ``FedAlgorithm.attach_full_gradient`` and ``estimate`` receive: the aggregates in ``dtype``, and with
+        ``prefix`` the extra weightings named ``prefix + name``, under ``name``."""
+        out = {w: ({k: v.to(dtype) for k, v in self.grad[w].items()}, self.f[w].to(dtype)) for w in WEIGHTINGS}
+        for name, (g, total) in (self.extra or {}).items():
+            if prefix is not None and name.startswith(prefix):
+                out[name[len(prefix) :]] = ({k: v.to(dtype) for k, v in g.items()}, total.to(dtype))
+        return out
 
 
-def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tuple[int, ...] = ()) -> FullGradients:
+def full_gradients(
+    exp: Experiment,
+    params: Params,
+    t: int,
+    keep: list[int] | tuple[int, ...] = (),
+    extra: dict[str, np.ndarray] | None = None,
+) -> FullGradients:
     """grad f_j(params) of the plain loss over client j's whole training data, for every client j, folded into the
     uniform and the data-size aggregates as it goes (float64 sums: memory is two parameter copies plus the
     ``keep`` clients' own gradients, never N). Client j's data comes in masked blocks (``FederatedData.full_data``,
     ``core.full_gradient``) of equal size, at most ``model.rows_per_pass`` rows (the cache rule of ``core.sizing``:
     blocks of the batch size B, as before, ran 1.6x slower on LeNet-5); see the module docstring for the
-    training mode and the seeds."""
+    training mode and the seeds. ``extra``: more per-client weights (name -> ``[N]``), folded likewise into
+    ``(sum_j w_j grad f_j, sum_j w_j)``, after and apart from the two aggregates (whose bits they never move)."""
     fed, model = exp.fed, exp.model
     n = fed.num_clients
     p = fed.sizes.astype(np.float64) / float(fed.sizes.sum())
@@ -65,6 +94,8 @@ def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tu
     sums = {w: {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()} for w in WEIGHTINGS}
     fsum = {w: torch.zeros((), dtype=torch.float64) for w in WEIGHTINGS}
     own: dict[int, tuple[Params, Tensor]] = {}
+    extra = extra or {}
+    xsums = {name: {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()} for name in extra}
     was_training = model.module.training
     with torch.random.fork_rng(devices=[]):
         model.train(True)
@@ -77,11 +108,16 @@ def full_gradients(exp: Experiment, params: Params, t: int, keep: list[int] | tu
                 for w, a in (("uniform", 1.0 / n), ("data_size", float(p[j]))):
                     sums[w] = tree.axpy(a, g64, sums[w])
                     fsum[w] = fsum[w] + a * f64
+                for name, wts in extra.items():
+                    xsums[name] = tree.axpy(float(wts[j]), g64, xsums[name])
                 if j in keep_set:
                     own[j] = (g, f)
         finally:
             model.train(was_training)
-    return FullGradients(sums, fsum, own)
+    totals = {
+        name: torch.tensor(float(np.sum(wts, dtype=np.float64)), dtype=torch.float64) for name, wts in extra.items()
+    }
+    return FullGradients(sums, fsum, own, {name: (xsums[name], totals[name]) for name in extra} if extra else None)
 
 
 def _block(n: int, most: int) -> int:
@@ -92,6 +128,10 @@ def _block(n: int, most: int) -> int:
 
 def _f64(x: Params) -> Params:
     return {k: v.double() for k, v in x.items()}
+
+
+def params_dtype(params: Params) -> torch.dtype:
+    return next(iter(params.values())).dtype
 
 
 def _norm(x: Params) -> float:
@@ -113,23 +153,71 @@ def measure(h: Params, target: Params, scale: float) -> dict[str, float]:
     }
 
 
+def errors(est: Estimate, key: str) -> dict[str, float]:
+    """What only an ``Estimate`` gives (float64): ``diag/{key}_ss_rel_err`` = ||e - reference|| / ||reference||
+    (0 / 1 conventions as ``measure``) and ``diag/{key}_def1_abs_err`` = ||coef e - target||."""
+    e, ref, target = _f64(est.e), _f64(est.reference), _f64(est.target)
+    rn, err = _norm(ref), _norm(tree.sub(e, ref))
+    return {
+        f"diag/{key}_ss_rel_err": err / rn if rn > 0 else (0.0 if err == 0 else 1.0),
+        f"diag/{key}_def1_abs_err": _norm(tree.sub({k: est.coef * v for k, v in e.items()}, target)),
+    }
+
+
+def diagnostic_weights(exp: Experiment, rnd: RoundInfo) -> dict[str, np.ndarray]:
+    """The ``extra`` of a diagnostic pass: the algorithm's ``diagnostic_weightings`` (from every client's p_j and
+    lambda_j) for round t's estimate and for round t+1's (``fresh``), named ``"t:name"``."""
+    sizes = exp.fed.sizes
+    p = sizes.astype(np.float64) / float(sizes.sum())
+    steps = np.array([exp.plan.steps_for(int(n)) for n in sizes], dtype=np.float64)
+    out: dict[str, np.ndarray] = {}
+    for t in (rnd.round, rnd.round + 1):
+        at = RoundInfo(t, rnd.num_clients, rnd.cohort_size)
+        out.update({f"{t}:{k}": v for k, v in exp.alg.diagnostic_weightings(p, steps, at).items()})
+    return out
+
+
+def _mean(per: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(d[k] for d in per) / max(len(per), 1) for k in (per[0] if per else {})}
+
+
 def diagnose(
     exp: Experiment, msg: Any, rnd: RoundInfo, cohort: list[int], store: ClientStore, full: FullGradients, dtype: Any
 ) -> dict[str, float]:
-    """Cohort means of ``measure`` for each sampled client's estimate (``alg.estimate``, from its state before it
-    trains; the aggregates in the parameters' ``dtype``), and ``diag/grad_norm`` = ||sum_j p_j grad f_j(w_t)||,
-    the norm of grad Gamma(w_t)."""
+    """Cohort means of ``measure`` and ``errors`` for each sampled client's estimate (``alg.estimate``, from its
+    state before it trains; the aggregates in the parameters' ``dtype``), and ``diag/grad_norm`` =
+    ||sum_j p_j grad f_j(w_t)||, the norm of grad Gamma(w_t)."""
     alg, fed = exp.alg, exp.fed
-    aggs = full.aggregates(dtype)
-    sums: dict[str, float] = {}
+    aggs = full.aggregates(dtype, f"{rnd.round}:")
+    per = []
     for cid in cohort:
         steps = exp.plan.steps_for(int(fed.sizes[cid]))
-        h, target, scale = alg.estimate(msg, store.gather(cid), fed.client_info(cid), rnd, aggs, full.own[cid], steps)
-        for k, v in measure(h, target, scale).items():
-            sums[k] = sums.get(k, 0.0) + v
-    out = {k: v / max(len(cohort), 1) for k, v in sums.items()}
+        est = alg.estimate(msg, store.gather(cid), fed.client_info(cid), rnd, aggs, full.own[cid], steps)
+        per.append({**measure(est.e, est.target, est.scale), **errors(est, "h"), "diag/ref_norm": _norm(est.reference)})
+    out = _mean(per)
     out["diag/grad_norm"] = _norm(full.grad["data_size"])
     return out
+
+
+def fresh(
+    exp: Experiment, server: Any, rnd: RoundInfo, cohort: list[int], store: ClientStore, full: FullGradients, dtype: Any
+) -> dict[str, float]:
+    """Round t's fresh aggregate against the target at w_t (the pass of ``diagnose``): cohort means of cos, the
+    steady-state error and Definition 1's error of the h each client of round t's cohort would build in round t+1
+    (``alg.estimate`` with round t+1's broadcast and each client's state after round t). Empty for estimates made
+    from the full gradient rather than from uploads (``needs_full_gradient``)."""
+    alg, fed = exp.alg, exp.fed
+    if alg.needs_full_gradient:
+        return {}
+    nxt = RoundInfo(rnd.round + 1, rnd.num_clients, rnd.cohort_size)
+    msg, aggs = alg.broadcast(server, nxt), full.aggregates(dtype, f"{nxt.round}:")
+    per = []
+    for cid in cohort:
+        steps = exp.plan.steps_for(int(fed.sizes[cid]))
+        est = alg.estimate(msg, store.gather(cid), fed.client_info(cid), nxt, aggs, full.own[cid], steps)
+        cos = measure(est.e, est.target, est.scale)
+        per.append({"diag/fresh_cos": cos["diag/h_cos"], **errors(est, "fresh"), "diag/fresh_norm": cos["diag/h_norm"]})
+    return _mean(per)
 
 
 def is_diagnostic_round(exp: Experiment, t: int) -> bool:
@@ -139,8 +227,9 @@ def is_diagnostic_round(exp: Experiment, t: int) -> bool:
 
 def prepare_round(
     exp: Experiment, params: Params, msg: Any, rnd: RoundInfo, cohort: list[int], store: ClientStore
-) -> tuple[Any, dict[str, float], float]:
-    """Round ``rnd``'s full-data work before the cohort trains: ``(broadcast, diag metrics, untimed seconds)``.
+) -> tuple[Any, dict[str, float], float, FullGradients | None]:
+    """Round ``rnd``'s full-data work before the cohort trains: ``(broadcast, diag metrics, untimed seconds, the
+    pass for ``fresh`` on diagnostic rounds, else None)``.
 
     The broadcast gets the exact gradient when the algorithm needs it; on diagnostic rounds the metrics are the
     ``diag/*`` cohort means (else empty). The untimed seconds are the pass's when only the diagnostic needed it
@@ -148,14 +237,15 @@ def prepare_round(
     """
     needs, diag = exp.alg.needs_full_gradient, is_diagnostic_round(exp, rnd.round)
     if not (needs or diag):
-        return msg, {}, 0.0
+        return msg, {}, 0.0, None
     t0 = time.perf_counter()
-    full = full_gradients(exp, params, rnd.round, keep=cohort if diag else ())
-    dtype = next(iter(params.values())).dtype
+    extra = diagnostic_weights(exp, rnd) if diag else None
+    full = full_gradients(exp, params, rnd.round, keep=cohort if diag else (), extra=extra)
+    dtype = params_dtype(params)
     if needs:
         msg = exp.alg.attach_full_gradient(msg, full.aggregates(dtype))
     metrics: dict[str, float] = {}
     if diag:
         metrics = diagnose(exp, msg, rnd, cohort, store, full, dtype)
         metrics["diag/seconds"] = round(time.perf_counter() - t0, 4)
-    return msg, metrics, 0.0 if needs else time.perf_counter() - t0
+    return msg, metrics, 0.0 if needs else time.perf_counter() - t0, full if diag else None

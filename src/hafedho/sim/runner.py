@@ -16,7 +16,7 @@ from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_
 from hafedho.runtime.rundir import RunDir
 from hafedho.runtime.store import ClientStore
 from hafedho.runtime.work import Engine, RoundWork, available_cores
-from hafedho.sim.fullgrad import prepare_round
+from hafedho.sim.fullgrad import fresh, params_dtype, prepare_round
 
 __all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
 
@@ -121,13 +121,17 @@ def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool,
         rnd, msg = rounds.begin(t, len(cohort))
         # the full-data pass where the algorithm or [diagnostics] asks for it (sim/fullgrad.py); else nothing
         with idle:
-            msg, diag, untimed = prepare_round(exp, alg.eval_params(rounds.server), msg, rnd, cohort.tolist(), store)
+            params = alg.eval_params(rounds.server)
+            msg, diag, untimed, full = prepare_round(exp, params, msg, rnd, cohort.tolist(), store)
         rounds.untimed(untimed)
         out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
         if t <= BLOWUP_ROUNDS:
             with idle:  # the early blow-up guard's reference loss, once per run
                 rounds.start_loss()
         row = rounds.finish_round(t, out, len(cohort), len(cohort), **diag)
+        if full is not None and out.aggregate is not None:  # after wall_s was taken: the uploads against w_t
+            with idle:
+                row.update(fresh(exp, rounds.server, rnd, cohort.tolist(), store, full, params_dtype(params)))
         with idle:
             ev = rounds.evaluate(t, row, store.gather)
         if ev is not None:

@@ -57,4 +57,44 @@ def diagnostics_table(lay: Layout) -> list[Table]:
         "quarter of the diagnostic rounds. A change counts only beyond the larger of the two standard deviations. "
         "h = 0 scores a relative error of exactly 1 (and a cosine of 0), so an error near 1 means no estimate."
     )
-    return [Table("diagnostics", f"Estimation error of h: {lay.section.title}", header, rows, note)]
+    return [Table("diagnostics", f"Estimation error of h: {lay.section.title}", header, rows, note), *_pairings(lay)]
+
+
+def _verdict(err: list[tuple[float, float]]) -> tuple[str, str, str]:
+    """Early, late (mean ± std) and the decay verdict of ``diagnostics_table``, without the h = 0 clause."""
+    (e0, m0, s0), (e1, m1, s1) = _pm([e for e, _ in err]), _pm([late for _, late in err])
+    margin = max(s0, s1) if len(err) > 1 else 0.1 * abs(m0)
+    return e0, e1, "decays" if m1 < m0 - margin else "grows" if m1 > m0 + margin else "flat"
+
+
+def _pairings(lay: Layout) -> list[Table]:
+    """Where runs logged them (issue 21): the error against the steady state h^* (which a noise-free,
+    full-participation run scores ~0), Definition 1's absolute error, and the cosine of both pairings (the h used
+    in round t, and round t's fresh aggregate, each against the target at w_t), early and late."""
+    header = ["algorithm", "setting", "seeds", "ss error early", "ss error late", "error"]
+    header += ["Def. 1 error early", "Def. 1 error late", "cos used late", "cos fresh early", "cos fresh late"]
+    rows = []
+    for col in lay.columns:
+        for r in lay.rows:
+            g = lay.group_at(r, col)
+            runs = [run for run in (g.finished() if g else []) if run.evals("diag/h_ss_rel_err")]
+            if not runs:
+                continue
+            cells = [lay.row_name(r), lay.col_name(col), str(len(runs))]
+            cells += _verdict([_early_late(run.evals("diag/h_ss_rel_err")) for run in runs])
+            cells += _verdict([_early_late(run.evals("diag/h_def1_abs_err")) for run in runs])[:2]
+            cos = [_early_late(run.evals("diag/h_cos")) for run in runs]
+            fresh = [_early_late(run.evals("diag/fresh_cos")) for run in runs if run.evals("diag/fresh_cos")]
+            cells.append(_pm([c for _, c in cos])[0])
+            cells += [_pm([c for c, _ in fresh])[0], _pm([c for _, c in fresh])[0]] if fresh else ["", ""]
+            rows.append([Cell(c) for c in cells])
+    if not rows:
+        return []
+    note = (
+        "ss error: ||h - h^*|| / ||h^*||, h^* the steady state of Algorithm 1's recursion at w_t with exact uploads "
+        "from every client (0 on a noise-free problem with full participation; docs/algorithms.md, 'Theorem 1 "
+        "measured'). Def. 1 error: ||mu h - T||, T the other clients' share at w_t. cos used: the h of round t "
+        "(built at w_{t-1}) against T; cos fresh: round t's own aggregate (the h of round t+1) against T. Read each "
+        "beside the mu = 0 control row, whose h is FedAvg's own aggregate: only the difference is HaFedHo's."
+    )
+    return [Table("diagnostics_pairings", f"Both pairings and Definition 1: {lay.section.title}", header, rows, note)]
