@@ -330,8 +330,9 @@ def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
 
 
 def _smoke_specs(name: str, overrides: list[str]) -> list:
-    """A preset's first grid point, its first reference point, its first momentum twin and its first Proposition 1
-    ideal (converge's hafedho-exact), seed 0; estimation's diagnostics every 2 rounds, so one is taken."""
+    """A preset's first grid point, its first reference point, its first momentum twin, its first Proposition 1
+    ideal (converge's hafedho-exact) and the first point of each other protocol (main, head, main-long), seed 0;
+    estimation's diagnostics every 2 rounds, so one is taken."""
     if name == "estimation":
         overrides = [*overrides, "diagnostics.every=2"]
     specs = expand(load_preset(name), seeds=1, overrides=overrides)
@@ -339,6 +340,10 @@ def _smoke_specs(name: str, overrides: list[str]) -> list:
     first += [s for s in specs if s.label != specs[0].label and s.reference][:1]
     first += [s for s in specs if s.label == "hafedho-twin"][:1]
     first += [s for s in specs if s.label == "hafedho-exact"][:1]
+    protocols = dict.fromkeys(s.point["protocol"] for s in specs if "protocol" in s.point)  # main, head, main-long
+    first += [
+        next(s for s in specs if s.point.get("protocol") == p) for p in protocols if p != first[0].point["protocol"]
+    ]
     return first
 
 
