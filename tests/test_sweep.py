@@ -94,7 +94,7 @@ def test_scales_and_bundles() -> None:
     assert tuned["femnist"]["hafedho"]["mu"] == chosen["algorithm.hafedho.mu"] != 0.01  # CPU's tuned value ...
     fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3")) if s.label == "hafedho"}
     assert fig3 == {0.0001, 0.001, 0.01, 0.05, 0.08, 0.1}  # ... which a grid axis still overrides
-    t3 = expand(load_preset("table3"), seeds=1)
+    t3 = expand(load_preset("table3"), seeds=1, overrides=["protocol=head"])  # main-long runs 150 rounds
     fixed = [s.cfg for s in t3 if s.point["population"] == "fixed" and s.point["participation"] == 0.002]
     assert fixed[0].data.num_clients == 1000 and fixed[0].sampling.cohort_size == 2 and fixed[0].rounds == 100
     bern = [s.cfg for s in t3 if s.point["population"] == "bernoulli" and s.point["participation"] == 0.01]
@@ -105,8 +105,9 @@ def test_scales_and_bundles() -> None:
 
 def test_centralized_variant_and_shared_runs() -> None:
     specs = expand(load_preset("table1"))
-    central = [s for s in specs if s.label == "centralized"]
-    assert len(central) == 2 * 3 and all(s.reference and set(s.point) == {"dataset"} for s in central)
+    central = [s for s in specs if s.label == "centralized"]  # per dataset and protocol (main, head, main-long) ...
+    assert sum(1 + len(s.views) for s in central) == 2 * 3 * 3  # ... main-long a view of main while placeholders
+    assert all(s.reference and set(s.point) == {"dataset", "protocol"} for s in central)
     c = central[0].cfg
     assert (c.data.partition, c.data.num_clients, c.sampling.cohort_size, c.algorithm["name"]) == (
         "iid",
@@ -125,7 +126,8 @@ def test_centralized_variant_and_shared_runs() -> None:
 
 def test_overrides_replace_axes_or_apply_to_all() -> None:
     preset = load_preset("table1")
-    specs = expand(preset, seeds=1, overrides=["dataset=cifar10", 'algorithm.name=["hafedho", "fedavg"]', "rounds=2"])
+    overrides = ["dataset=cifar10", "protocol=head", 'algorithm.name=["hafedho", "fedavg"]', "rounds=2"]
+    specs = expand(preset, seeds=1, overrides=overrides)
     assert {(s.label, s.point.get("dataset")) for s in specs} == {
         ("hafedho", "cifar10"),
         ("fedavg", "cifar10"),
@@ -469,6 +471,8 @@ def test_momentum_runs_fedavgm_at_hafedhos_lr() -> None:
         lr = resolve_algorithm(s.cfg.algorithm)[1]["lr"]
         assert lr == chosen[s.point["dataset"]]["algorithm.hafedho.lr"], s.name
     twins = {
-        s.name for s in expand(load_preset("table1"), seeds=1) if s.label == "hafedho-twin" and s.point["data.q"] == 0.3
+        s.name
+        for s in expand(load_preset("table1"), seeds=1, overrides=["protocol=head"])  # momentum's protocol
+        if s.label == "hafedho-twin" and s.point["data.q"] == 0.3
     }
     assert twins and twins <= {s.name for s in specs}
