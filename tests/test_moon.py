@@ -252,17 +252,19 @@ def test_bad_hyperparameters() -> None:
 
 @pytest.mark.parametrize("scale", ["cpu", "full"])
 def test_paper_presets_give_every_row_the_same_network_with_moons_head(scale: str) -> None:
-    """MOON's protocol: one network for all methods of a comparison, projection head included. In every paper
-    preset the runs on one data source share one model config, and every image model carries the 256-d head
-    (logistic regression, FedProx's synthetic setting, has no encoder and no head)."""
+    """The two protocols (_common.toml). head (and every preset without a `protocol` axis): one network for all
+    methods of a comparison, MOON's 256-d head included (logistic regression, FedProx's synthetic setting, has no
+    encoder and no head). main and main-long: the same network without the head for every method but MOON,
+    whose head is part of its method."""
     for name in list_presets():
-        models: dict[str, set] = {}
+        models: dict[tuple[str, str, bool], set] = {}
         for spec in expand(load_preset(name, scale), seeds=1):
             model = spec.cfg.model
-            models.setdefault(spec.cfg.data.source, set()).add(
-                (model.name, tuple(sorted((model.options or {}).items())))
-            )
-        for source, seen in models.items():
-            assert len(seen) == 1, (name, source, seen)
+            for point in (spec.point, *(p for p, _ in spec.views)):
+                key = (spec.cfg.data.source, str(point.get("protocol", "head")), spec.cfg.algorithm["name"] == "moon")
+                models.setdefault(key, set()).add((model.name, tuple(sorted((model.options or {}).items()))))
+        for (source, protocol, moon), seen in models.items():
+            assert len(seen) == 1, (name, source, protocol, seen)
             ((model_name, options),) = seen
-            assert dict(options).get("projection") == (0 if model_name == "logreg" else 256), (name, source)
+            head = 0 if model_name == "logreg" or (protocol != "head" and not moon) else 256
+            assert dict(options).get("projection") == head, (name, source, protocol, moon)

@@ -95,7 +95,7 @@ def test_scales_and_bundles() -> None:
     assert tuned["femnist"]["hafedho"]["mu"] == chosen["algorithm.hafedho.mu"] != 0.01  # CPU's tuned value ...
     fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3")) if s.label == "hafedho"}
     assert fig3 == {0.0001, 0.001, 0.01, 0.05, 0.08, 0.1}  # ... which a grid axis still overrides
-    t3 = expand(load_preset("table3"), seeds=1)
+    t3 = expand(load_preset("table3"), seeds=1, overrides=["protocol=head"])  # main-long runs 150 rounds
     fixed = [s.cfg for s in t3 if s.point["population"] == "fixed" and s.point["participation"] == 0.002]
     assert fixed[0].data.num_clients == 1000 and fixed[0].sampling.cohort_size == 2 and fixed[0].rounds == 100
     bern = [s.cfg for s in t3 if s.point["population"] == "bernoulli" and s.point["participation"] == 0.01]
@@ -106,8 +106,9 @@ def test_scales_and_bundles() -> None:
 
 def test_centralized_variant_and_shared_runs() -> None:
     specs = expand(load_preset("table1"))
-    central = [s for s in specs if s.label == "centralized"]
-    assert len(central) == 2 * 3 and all(s.reference and set(s.point) == {"dataset"} for s in central)
+    central = [s for s in specs if s.label == "centralized"]  # per dataset and protocol (main, head, main-long) ...
+    assert sum(1 + len(s.views) for s in central) == 2 * 3 * 3  # ... main-long a view of main while placeholders
+    assert all(s.reference and set(s.point) == {"dataset", "protocol"} for s in central)
     c = central[0].cfg
     assert (c.data.partition, c.data.num_clients, c.sampling.cohort_size, c.algorithm["name"]) == (
         "iid",
@@ -126,7 +127,8 @@ def test_centralized_variant_and_shared_runs() -> None:
 
 def test_overrides_replace_axes_or_apply_to_all() -> None:
     preset = load_preset("table1")
-    specs = expand(preset, seeds=1, overrides=["dataset=cifar10", 'algorithm.name=["hafedho", "fedavg"]', "rounds=2"])
+    overrides = ["dataset=cifar10", "protocol=head", 'algorithm.name=["hafedho", "fedavg"]', "rounds=2"]
+    specs = expand(preset, seeds=1, overrides=overrides)
     assert {(s.label, s.point.get("dataset")) for s in specs} == {
         ("hafedho", "cifar10"),
         ("fedavg", "cifar10"),
@@ -331,8 +333,9 @@ def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
 
 
 def _smoke_specs(name: str, overrides: list[str]) -> list:
-    """A preset's first grid point, its first reference point, its first momentum twin and its first Proposition 1
-    ideal (converge's hafedho-exact), seed 0; estimation's diagnostics every 2 rounds, so one is taken."""
+    """A preset's first grid point, its first reference point, its first momentum twin, its first Proposition 1
+    ideal (converge's hafedho-exact) and the first point of each other protocol (main, head, main-long), seed 0;
+    estimation's diagnostics every 2 rounds, so one is taken."""
     if name == "estimation":
         overrides = [*overrides, "diagnostics.every=2"]
     specs = expand(load_preset(name), seeds=1, overrides=overrides)
@@ -340,6 +343,10 @@ def _smoke_specs(name: str, overrides: list[str]) -> list:
     first += [s for s in specs if s.label != specs[0].label and s.reference][:1]
     first += [s for s in specs if s.label == "hafedho-twin"][:1]
     first += [s for s in specs if s.label == "hafedho-exact"][:1]
+    protocols = dict.fromkeys(s.point["protocol"] for s in specs if "protocol" in s.point)  # main, head, main-long
+    first += [
+        next(s for s in specs if s.point.get("protocol") == p) for p in protocols if p != first[0].point["protocol"]
+    ]
     return first
 
 
@@ -465,6 +472,8 @@ def test_momentum_runs_fedavgm_at_hafedhos_lr() -> None:
         lr = resolve_algorithm(s.cfg.algorithm)[1]["lr"]
         assert lr == chosen[s.point["dataset"]]["algorithm.hafedho.lr"], s.name
     twins = {
-        s.name for s in expand(load_preset("table1"), seeds=1) if s.label == "hafedho-twin" and s.point["data.q"] == 0.3
+        s.name
+        for s in expand(load_preset("table1"), seeds=1, overrides=["protocol=head"])  # momentum's protocol
+        if s.label == "hafedho-twin" and s.point["data.q"] == 0.3
     }
     assert twins and twins <= {s.name for s in specs}

@@ -224,13 +224,16 @@ def check_seeds(runs: list[Run]) -> None:
 
 
 def _group(runs: list[Run]) -> list[Group]:
-    groups: dict[tuple[str, str], Group] = {}
+    """One group per row label, setting and experiment: a run a sweep lists at two settings (MOON under both
+    protocols) sits in both columns; listed twice in one group (two row points that are one run), it counts once."""
+    groups: dict[tuple[str, Any, str], Group] = {}
     for run in runs:
-        key = (run.label, _canonical(run.config) if run.config else run.dir.name)
+        key = (run.label, freeze(run.setting), _canonical(run.config) if run.config else run.dir.name)
         if key not in groups:
             hyper = hyperparameters(run.config) if run.config else {}
             groups[key] = Group(run.label, run.setting, {k: freeze(v) for k, v in hyper.items()}, run.reference)
-        groups[key].runs.append(run)
+        if all(r.dir != run.dir for r in groups[key].runs):
+            groups[key].runs.append(run)
     for g in groups.values():
         check_seeds(g.runs)
     return list(groups.values())

@@ -15,7 +15,7 @@ from typing import Any
 
 from hafedho.config import Config, ConfigError, config_from_table
 from hafedho.core.refs import file_name
-from hafedho.sweep.presets import Preset, is_config_key, nest
+from hafedho.sweep.presets import Preset, is_config_key, nest, nest_bundle
 from hafedho.toml_io import deep_merge, parse_override
 
 
@@ -31,6 +31,8 @@ class RunSpec:
     reference: bool = False
     aliases: list[str] = dataclasses.field(default_factory=list)  # other row labels this same run stands for
     note: str = ""  # a HaFedHo run without a twin: why (shown under the report's tables)
+    rounds: int = 0  # the horizon its own point asks for (cfg.rounds is the largest over its views)
+    views: list[tuple[dict[str, Any], int]] = dataclasses.field(default_factory=list)  # other (point, horizon)
 
     @property
     def run_dir(self) -> Path:
@@ -69,18 +71,50 @@ def _bundle(preset: Preset, axis: str, value: Any) -> dict[str, Any]:
         raise ConfigError(
             f"{preset.path}: {axis}={value!r} has no [bundles.{axis}.{value}]; known: {', '.join(bundles)}"
         )
-    return nest(bundles[str(value)])
+    return nest_bundle(copy.deepcopy(bundles[str(value)]))
 
 
 def _point_table(preset: Preset, point: dict[str, Any], sets: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    table = nest(copy.deepcopy(preset.table.get("base", {})))
+    """Base, then named-axis bundles and the ``when`` rules that hold (each at a bundle's precedence), then
+    config-key axes, variant sets and the command line's overrides: an explicit axis or set always wins."""
+    bundles, rules = nest(copy.deepcopy(preset.table.get("base", {}))), []
     for axis, value in point.items():  # named axes first, so an explicit config-key axis wins over a bundle
         if not is_config_key(axis):
-            table = deep_merge(table, _bundle(preset, axis, value))
-    for axis, value in point.items():
-        if is_config_key(axis):
-            table = deep_merge(table, nest({axis: value}))
-    return deep_merge(deep_merge(table, nest(sets)), extra)
+            bundle = _bundle(preset, axis, value)
+            rules += list(bundle.pop("when", {}).items())
+            bundles = deep_merge(bundles, bundle)
+
+    def explicit(table: dict[str, Any]) -> dict[str, Any]:
+        for axis, value in point.items():
+            if is_config_key(axis):
+                table = deep_merge(table, nest({axis: value}))
+        return deep_merge(table, nest(sets))
+
+    assembled = explicit(bundles)  # the run without its rules: what their conditions read
+    for cond, over in rules:
+        if _holds(preset, cond, point, assembled):
+            bundles = deep_merge(bundles, over)
+    return deep_merge(explicit(bundles), extra)
+
+
+def _holds(preset: Preset, cond: str, point: dict[str, Any], table: dict[str, Any]) -> bool:
+    """Whether every ``KEY=VALUE`` of a ``when`` rule holds for this run: KEY a grid axis of the point (a named
+    axis the point lacks never holds) or a config key, read from the assembled table."""
+    for part in cond.split(","):
+        key, sep, want = (x.strip() for x in part.partition("="))
+        if not sep or not key:
+            raise ConfigError(f"{preset.path}: when {cond!r}: write each condition as KEY=VALUE, joined by ','")
+        if key in point:
+            have: Any = point[key]
+        elif is_config_key(key):
+            have = table
+            for k in key.split("."):
+                have = have.get(k) if isinstance(have, dict) else None
+        else:
+            have = None
+        if have is None or str(have) != want:
+            return False
+    return True
 
 
 def _slug(text: str) -> str:
@@ -168,10 +202,19 @@ def _spec(
 
 
 def _add(specs: dict[str, RunSpec], spec: RunSpec) -> RunSpec:
-    """Keep one spec per run directory (returned); the same run under another row label is an alias of the first."""
+    """Keep one spec per run directory (returned). The same run under another row label is an alias of the first;
+    under the same label at another grid point or horizon (MOON under both protocols, a value the longer horizon
+    keeps), it is a view: listed at each point, run to the longest horizon, read at each one's own."""
+    spec.rounds = spec.rounds or spec.cfg.rounds
     first = specs.setdefault(spec.name, spec)
-    if first is not spec and spec.label != first.label and spec.label not in first.aliases:
-        first.aliases.append(spec.label)
+    if first is spec:
+        return first
+    if spec.label != first.label:
+        if spec.label not in first.aliases:
+            first.aliases.append(spec.label)
+    elif (spec.point, spec.rounds) != (first.point, first.rounds) and (spec.point, spec.rounds) not in first.views:
+        first.views.append((spec.point, spec.rounds))
+        first.cfg.rounds = max(first.cfg.rounds, spec.rounds)
     return first
 
 

@@ -99,8 +99,8 @@ def read_index(path: Path) -> SweepIndex:
 
 
 def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: dict[str, str] | None = None) -> Path:
-    """``OUT/sweeps/PRESET.json``: the preset's runs (label, grid point, seed; a run that stands for several rows,
-    once per row label), report settings, twin rows and notes."""
+    """``OUT/sweeps/PRESET.json``: the preset's runs (label, grid point, seed, horizon; a run that stands for several
+    rows or points, once per row label and point), report settings, twin rows and notes."""
     index = SweepIndex(
         preset=preset.name,
         scale=preset.scale,
@@ -109,8 +109,9 @@ def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: d
         row_axes=row_axes(preset),
         report=preset.report,
         runs=[
-            IndexEntry(s.name, lab, s.seed, s.point, s.reference, s.cfg.rounds)
+            IndexEntry(s.name, lab, s.seed, point, s.reference, rounds)
             for s in specs
+            for point, rounds in ((s.point, s.rounds or s.cfg.rounds), *s.views)
             for lab in (s.label, *s.aliases)
         ],
         failed=failed or {},

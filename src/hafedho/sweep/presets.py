@@ -1,4 +1,10 @@
-"""Presets: read a preset file (with what it extends), merge its ``[scale.SCALE]`` table, name its axes."""
+"""Presets: read a preset file (with what it extends), merge its ``[scale.SCALE]`` table, name its axes.
+
+A bundle (``[bundles.AXIS.VALUE]``) may hold ``when`` rules: ``[bundles.AXIS.VALUE.when."KEY=V, KEY2=V2"]`` is a
+table of overrides applied only to runs where every condition holds (KEY: a grid axis of the point or a config
+key such as ``algorithm.name``), after every bundle and before config-key axes, variant sets and overrides. They
+express what depends on two choices, e.g. MOON keeping its head under the main protocol, or a value tuned per
+dataset and horizon (``_tuned_long.toml``)."""
 
 from __future__ import annotations
 
@@ -79,6 +85,15 @@ def nest(table: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def nest_bundle(table: dict[str, Any]) -> dict[str, Any]:
+    """``nest`` for a bundle: its ``when`` rules keep their condition text (``"algorithm.name=moon"``) as one key."""
+    rest = {k: v for k, v in table.items() if k != "when"}
+    out = nest(rest)
+    if "when" in table:
+        out["when"] = {str(cond): nest(sub) for cond, sub in table["when"].items()}
+    return out
+
+
 def _read_preset(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'extends' forms a cycle")
@@ -106,7 +121,8 @@ def _normalize(table: dict[str, Any]) -> dict[str, Any]:
     if "base" in table:
         table["base"] = nest(table["base"])
     table["bundles"] = {
-        axis: {value: nest(t) for value, t in values.items()} for axis, values in table.get("bundles", {}).items()
+        axis: {value: nest_bundle(t) for value, t in values.items()}
+        for axis, values in table.get("bundles", {}).items()
     }
     table["variants"] = [{**v, "set": nest(v["set"])} if "set" in v else dict(v) for v in table.get("variants", [])]
     if not table["variants"]:
@@ -148,6 +164,7 @@ def row_axes(preset: Preset) -> list[str]:
     bundles = preset.table.get("bundles", {})
 
     def only_algorithm(axis: str) -> bool:
-        return all(set(t) <= {"algorithm"} for t in bundles.get(axis, {}).values())
+        tables = [t for b in bundles.get(axis, {}).values() for t in (b, *b.get("when", {}).values())]
+        return all(set(t) - {"when"} <= {"algorithm"} for t in tables)
 
     return [a for a in preset.grid if a.startswith("algorithm.") or (not is_config_key(a) and only_algorithm(a))]

@@ -14,6 +14,7 @@ from hafedho.report.table import Table
 from hafedho.report.tables.best_hyper import best_hyper_table
 from hafedho.report.tables.diagnostics import diagnostics_table
 from hafedho.report.tables.final import accuracy_tables
+from hafedho.report.tables.robustness import robustness_table
 from hafedho.report.tables.rounds import rounds_tables
 from hafedho.report.tables.status import status_table
 from hafedho.report.tables.verdict import verdict_table
@@ -24,6 +25,7 @@ TABLES: dict[str, Callable[[Layout], list[Table]]] = {
     "rounds": rounds_tables,
     "best_hyper": best_hyper_table,
     "verdict": verdict_table,
+    "robustness": robustness_table,  # only where a preset runs several protocols (a `protocol` axis)
     "diagnostics": diagnostics_table,  # only where runs logged [diagnostics]
 }
 

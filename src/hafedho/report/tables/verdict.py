@@ -17,6 +17,7 @@ several rows by a hyperparameter (fig3's mu) counts with its best row.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from hafedho.report.layout import Layout, pct
 from hafedho.report.stats import Stat, accuracy_stat
@@ -48,31 +49,52 @@ def verdict(own: Stat, baseline: Stat, twin: Stat | None) -> str:
     return FAILS if beats(baseline, own) else TIE
 
 
+@dataclass
+class Judged:
+    """One column's verdict and what it compares: HaFedHo, the best baseline (and its label), the twin."""
+
+    own: Stat
+    base: Stat
+    base_label: str
+    twin: Stat | None
+    text: str
+
+
+def judge(lay: Layout, col: dict) -> Judged | None:
+    """The verdict of one column of the layout; None where HaFedHo or every baseline has no finished seed."""
+    s = lay.section
+    labels = {r[0] for r in lay.rows}
+    base_labels = {r[0] for r in lay.rows if lay.is_baseline(r)}
+    twin_label = next((t for t, of in s.twins.items() if of == OWN), None)
+    best = {lab: best_of(lay, lab, col) for lab in labels}
+    own = best.get(OWN)
+    baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n]
+    if own is None or not own.n or not baselines:
+        return None
+    base, base_label = max(baselines, key=lambda t: t[0].mean)
+    twin = best.get(twin_label) if twin_label is not None else None
+    twin = twin if twin is not None and twin.n else None
+    return Judged(own, base, base_label, twin, verdict(own, base, twin))
+
+
 def verdict_table(lay: Layout) -> list[Table]:
     """One row per column of the layout where HaFedHo and a baseline both have finished seeds."""
     s = lay.section
-    labels = {r[0] for r in lay.rows}
-    if OWN not in labels:
+    if OWN not in {r[0] for r in lay.rows}:
         return []
-    base_labels = {r[0] for r in lay.rows if lay.is_baseline(r)}
-    twin_label = next((t for t, of in s.twins.items() if of == OWN), None)
     header = ["setting", "HaFedHo", "best baseline", "twin (FedAvgM, β = λμ)", "verdict"]
     rows = []
     for col in lay.columns:
-        best = {lab: _best_of(lay, lab, col) for lab in labels}
-        own = best.get(OWN)
-        baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n]
-        if own is None or not own.n or not baselines:
+        j = judge(lay, col)
+        if j is None:
             continue
-        base, base_label = max(baselines, key=lambda t: t[0].mean)
-        twin = best.get(twin_label) if twin_label is not None else None
         rows.append(
             [
                 Cell(lay.col_name(col) if lay.col_keys else s.title),
-                Cell(pct(own)),
-                Cell(f"{lay.section.names().get(base_label, base_label)}: {pct(base)}"),
-                Cell(pct(twin) if twin is not None and twin.n else "none"),
-                Cell(verdict(own, base, twin if twin is not None and twin.n else None)),
+                Cell(pct(j.own)),
+                Cell(f"{lay.section.names().get(j.base_label, j.base_label)}: {pct(j.base)}"),
+                Cell(pct(j.twin) if j.twin is not None else "none"),
+                Cell(j.text),
             ]
         )
     if not rows:
@@ -85,7 +107,7 @@ def verdict_table(lay: Layout) -> list[Table]:
     return [Table("verdict", f"Verdict: {s.title}", header, rows, note)]
 
 
-def _best_of(lay: Layout, label: str, col: dict) -> Stat | None:
+def best_of(lay: Layout, label: str, col: dict) -> Stat | None:
     s = lay.section
     stats = [accuracy_stat(g, s.metric, s.last) for r in lay.rows if r[0] == label and (g := lay.group_at(r, col))]
     stats = [st for st in stats if math.isfinite(st.mean)]

@@ -1,0 +1,81 @@
+"""The robustness table: per setting, the verdict under each protocol column and whether it survives them all.
+
+A preset with a ``protocol`` axis (``_common.toml``: main, head; ``_tuned_long.toml``: main-long) runs every
+setting under each protocol. Per setting (the layout's column minus ``protocol``) this table shows the verdict of
+``verdict.judge`` under each protocol, and:
+
+    holds in every protocol column                   -> "holds (robust)"
+    anything else (another verdict, or not run yet)  -> "not robust: holds under main; tie under head; ..."
+
+plus, per protocol, the twin's share of HaFedHo's gain over FedAvg, (twin - FedAvg) / (HaFedHo - FedAvg), from
+the final means (only where HaFedHo beats FedAvg's mean). A last row counts the robust settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hafedho.report.layout import Layout, display
+from hafedho.report.table import Cell, Table
+from hafedho.report.tables.verdict import HOLDS, MIN_SEEDS, best_of, judge
+
+AXIS = "protocol"
+ROBUST = "holds (robust)"
+NOT_RUN = "not run"
+
+
+def robust_verdict(verdicts: dict[str, str]) -> str:
+    """``ROBUST`` when every protocol's verdict is "holds"; otherwise each protocol's verdict, in order."""
+    if verdicts and all(v == HOLDS for v in verdicts.values()):
+        return ROBUST
+    return "not robust: " + "; ".join(f"{v} under {p}" for p, v in verdicts.items())
+
+
+def twin_share(lay: Layout, col: dict[str, Any]) -> str:
+    """(twin - FedAvg) / (HaFedHo - FedAvg) in this column, as a percentage; why not where it is undefined."""
+    j = judge(lay, col)
+    fedavg = best_of(lay, "fedavg", col)
+    if j is None or j.twin is None or fedavg is None or not fedavg.n:
+        return "—"
+    gain = j.own.mean - fedavg.mean
+    if gain <= 0:
+        return "n/a (HaFedHo ≤ FedAvg)"
+    return f"{100 * (j.twin.mean - fedavg.mean) / gain:.0f}%"
+
+
+def robustness_table(lay: Layout) -> list[Table]:
+    """One row per setting of a section run under several protocols; none for a section without that axis."""
+    s = lay.section
+    if AXIS not in lay.col_keys or "hafedho" not in {r[0] for r in lay.rows}:
+        return []
+    protocols = list(dict.fromkeys(str(g.setting[AXIS]) for g in s.groups if g.setting.get(AXIS) is not None))
+    names = s.names()
+    heads = [display(AXIS, p, names, True) for p in protocols]
+    others = [k for k in lay.col_keys if k != AXIS]
+    settings: list[dict[str, Any]] = []
+    for col in lay.columns:
+        rest = {k: col[k] for k in others}
+        if rest not in settings:
+            settings.append(rest)
+    rows, robust = [], 0
+    for rest in settings:
+        verdicts, shares = {}, []
+        for p, head in zip(protocols, heads, strict=True):
+            col = {**rest, AXIS: p}
+            j = judge(lay, col) if col in lay.columns else None
+            verdicts[head] = j.text if j is not None else NOT_RUN
+            shares.append(twin_share(lay, col) if j is not None else "—")
+        overall = robust_verdict(verdicts)
+        robust += overall == ROBUST
+        name = lay.col_name(rest) if rest else s.title
+        rows.append([Cell(name), *(Cell(v) for v in verdicts.values()), *(Cell(x) for x in shares), Cell(overall)])
+    rows.append(
+        [Cell("all settings"), *(Cell("") for _ in range(2 * len(heads))), Cell(f"{ROBUST} in {robust} of {len(rows)}")]
+    )
+    header = ["setting", *heads, *(f"twin share, {h}" for h in heads), "across protocols"]
+    note = (
+        f"the verdict table's rule (>= {MIN_SEEDS} seeds, a difference beyond the larger std) under each protocol; "
+        f'"{ROBUST}" only where it holds under every one; twin share = (twin - FedAvg) / (HaFedHo - FedAvg) of the '
+        "final means: how much of HaFedHo's gain over FedAvg server momentum alone gives"
+    )
+    return [Table("robustness", f"Robustness: {s.title}", header, rows, note)]

@@ -1,0 +1,105 @@
+"""Protocols (issue 21): the robustness table from hand-made runs, and the presets' protocol axis as expanded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_report import make_run
+
+from hafedho.report.build import write_report
+from hafedho.report.layout import Layout
+from hafedho.report.runs import load_sections
+from hafedho.report.tables.robustness import ROBUST, robust_verdict, robustness_table
+from hafedho.report.tables.verdict import HOLDS, TIE
+from hafedho.sweep.expand import expand
+from hafedho.sweep.index import IndexEntry, SweepIndex, index_path, read_index, write_index
+from hafedho.sweep.presets import load_preset
+
+# final accuracy per (dataset, protocol, row) for seeds 0-2 (one evaluation per run, so final = that value)
+FINAL = {
+    ("digits", "main"): {"hafedho": 0.60, "feddyn": 0.50, "fedavg": 0.40, "twin": 0.45},
+    ("digits", "head"): {"hafedho": 0.50, "feddyn": 0.40, "fedavg": 0.30, "twin": 0.40},
+    ("synth", "main"): {"hafedho": 0.60, "feddyn": 0.50, "fedavg": 0.40, "twin": 0.50},
+    ("synth", "head"): {"hafedho": 0.50, "feddyn": 0.50, "fedavg": 0.30, "twin": 0.35},  # a tie with FedDyn
+}
+SPREAD = (-0.01, 0.0, 0.01)  # std 0.01: every gap above is 5+ std, the tie is exact
+
+
+def protocol_sweep(root: Path) -> None:
+    runs = []
+    for (ds, proto), finals in FINAL.items():
+        for row, acc in finals.items():
+            alg = "fedavgm" if row == "twin" else row
+            label = "hafedho-twin" if row == "twin" else row
+            for seed, d in enumerate(SPREAD):
+                name = f"{label}-{ds}-{proto}-s{seed}"
+                model = {"options": {"projection": 256 if proto == "head" else 0}}
+                make_run(root, name, alg, seed, [acc + d], data={"source": ds}, model=model)
+                point = {"dataset": ds, "protocol": proto, "algorithm.name": alg}
+                runs.append(IndexEntry(name, label, seed, point))
+    axes = ["dataset", "protocol", "algorithm.name"]
+    twins = {"hafedho-twin": "hafedho"}
+    SweepIndex("table1", "cpu", "hand-made", axes, ["algorithm.name"], {}, runs, twins=twins).write(root)
+
+
+def test_robust_rule() -> None:
+    assert robust_verdict({"main": HOLDS, "head": HOLDS}) == ROBUST
+    assert robust_verdict({"main": HOLDS, "head": TIE}) == f"not robust: {HOLDS} under main; {TIE} under head"
+    assert robust_verdict({"main": HOLDS, "main-long": "not run"}).startswith("not robust")
+
+
+def test_a_claim_that_fails_in_one_column_is_not_robust(tmp_path: Path) -> None:
+    protocol_sweep(tmp_path)
+    (section,) = load_sections(tmp_path, last=1)
+    (table,) = robustness_table(Layout.of(section))
+    assert table.header == ["setting", "main", "head", "twin share, main", "twin share, head", "across protocols"]
+    rows = {r[0].text: [c.text for c in r[1:]] for r in table.rows}
+    # digits: holds under both; twin share (0.45 - 0.40) / (0.60 - 0.40) = 25%, (0.40 - 0.30) / (0.50 - 0.30) = 50%
+    assert rows["digits"] == [HOLDS, HOLDS, "25%", "50%", ROBUST]
+    # synth: HaFedHo ties FedDyn under head, so the claim is not robust there: (0.5 - 0.4) / 0.2 = 50%, 0.05 / 0.2
+    assert rows["synth"] == [HOLDS, TIE, "50%", "25%", f"not robust: {HOLDS} under main; {TIE} under head"]
+    assert rows["all settings"][-1] == f"{ROBUST} in 1 of 2"
+    md = write_report(tmp_path, tmp_path / "rep", last=1).markdown.read_text()
+    assert "Robustness: table1 (cpu scale)" in md and "| synth | holds | tie |" in md
+
+
+def test_a_protocol_not_run_yet_is_not_robust(tmp_path: Path) -> None:
+    protocol_sweep(tmp_path)
+    index = read_index(index_path(tmp_path, "table1"))
+    point = {"dataset": "digits", "protocol": "main-long", "algorithm.name": "hafedho"}
+    index.runs.append(IndexEntry("hafedho-digits-long-s0", "hafedho", 0, point))  # listed, never started
+    index.write(tmp_path)
+    (section,) = load_sections(tmp_path, last=1)
+    rows = {r[0].text: [c.text for c in r[1:]] for r in robustness_table(Layout.of(section))[0].rows}
+    assert rows["digits"][2] == "not run" and rows["digits"][-1].endswith("not run under main-long")
+
+
+def test_protocols_main_head_and_moon_keeps_its_head(tmp_path: Path) -> None:
+    """main: no head but MOON's; head: the base's head (the committed runs' names); MOON's two runs are one
+    directory, listed under both protocols and read in both columns."""
+    preset = load_preset("table1")
+    specs = expand(preset, seeds=1, overrides=["dataset=femnist", "data.q=0.3", 'algorithm.name=["hafedho", "moon"]'])
+    proj = {(s.label, p["protocol"]): s.cfg.model.options.get("projection") for s in specs for p in _points(s)}
+    assert proj[("hafedho", "main")] == 0 and proj[("hafedho", "head")] == 256
+    assert proj[("moon", "main")] == proj[("moon", "head")] == 256
+    moon = {p["protocol"]: s for s in specs if s.label == "moon" for p in _points(s)}
+    assert moon["main"] is moon["head"] and moon["main"].rounds == 30  # one run, read at 30 rounds in both
+    assert moon["main-long"].cfg.rounds == 150  # its own run, or (placeholder values) the same run carried on
+    entries = read_index(write_index(preset, specs, tmp_path)).runs
+    assert {e.point["protocol"] for e in entries if e.label == "moon"} == {"main", "head", "main-long"}
+    long = {e.rounds for e in entries if e.point["protocol"] == "main-long"}
+    assert long == {150}
+
+
+@pytest.mark.parametrize("name", ["table1", "converge"])
+def test_main_long_reads_the_horizon_tuned_values(name: str) -> None:
+    specs = expand(load_preset(name), seeds=1, overrides=["protocol=main-long"])
+    hafedho = [s for s in specs if s.label == "hafedho"]
+    assert hafedho and all(s.cfg.model.options.get("projection") == 0 for s in hafedho)
+    assert {s.rounds for s in hafedho} == {300 if name == "converge" else 150}
+    assert any(s.label == "fedavgm" for s in specs)  # the tuned momentum row beside the twin
+
+
+def _points(spec) -> list[dict]:
+    return [spec.point, *(p for p, _ in spec.views)]
