@@ -37,7 +37,10 @@ def timed(phase: str, fn):
 
 
 def instrument() -> None:
-    import hafedho.runtime.rounds as rounds
+    try:
+        import hafedho.runtime.rounds as rounds
+    except ImportError:  # versions before runtime/ existed
+        import hafedho.rounds as rounds
     import hafedho.sim.fullgrad as fullgrad
     import hafedho.sim.runner as runner
 
