@@ -205,7 +205,7 @@ def test_report_tables_both_pairings(tmp_path) -> None:
     """Hand-made runs that logged the new keys get the pairings table (the old table is unchanged beside it)."""
     import json
 
-    from hafedho.config import dump_toml
+    from hafedho.toml_io import dump_toml
     from hafedho.report.build import write_report
 
     for mu in (0.0, 0.08):
