@@ -1,4 +1,4 @@
-"""Theorem 1 measured, each quantity on a problem computed by hand (issue 21, item 4), and Proposition 1's ideal at
+"""Theorem 1 measured, each quantity on a problem computed by hand, and Proposition 1's ideal at
 the practical h's strength (item 5): both pairings, Definition 1's absolute error, the steady-state reference
 h_i^* of ``algorithms/hafedho.py`` (so a noise-free, full-participation run scores ~0), the mu = 0 control, and
 h_source = "exact_matched".
@@ -205,8 +205,8 @@ def test_report_tables_both_pairings(tmp_path) -> None:
     """Hand-made runs that logged the new keys get the pairings table (the old table is unchanged beside it)."""
     import json
 
-    from hafedho.toml_io import dump_toml
     from hafedho.report.build import write_report
+    from hafedho.toml_io import dump_toml
 
     for mu in (0.0, 0.08):
         for seed in (0, 1):

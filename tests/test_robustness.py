@@ -1,4 +1,4 @@
-"""Protocols (issue 21): the robustness table from hand-made runs, and the presets' protocol axis as expanded."""
+"""Protocols: the robustness table from hand-made runs, and the presets' protocol axis as expanded."""
 
 from __future__ import annotations
 

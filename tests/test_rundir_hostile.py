@@ -1,4 +1,4 @@
-"""Hostile inputs and faults (issue 23): run directories reached through links, truncated or replaced files,
+"""Hostile inputs and faults: run directories reached through links, truncated or replaced files,
 changed data, user code that exits or breaks the contract, and the one-line messages they end in."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def _verdict(err: list[tuple[float, float]]) -> tuple[str, str, str]:
 
 
 def _pairings(lay: Layout) -> list[Table]:
-    """Where runs logged them (issue 21): the error against the steady state h^* (which a noise-free,
+    """Where runs logged them: the error against the steady state h^* (which a noise-free,
     full-participation run scores ~0), Definition 1's absolute error, and the cosine of both pairings (the h used
     in round t, and round t's fresh aggregate, each against the target at w_t), early and late."""
     header = ["algorithm", "setting", "seeds", "ss error early", "ss error late", "error"]
