@@ -95,7 +95,7 @@ def jobs(args: argparse.Namespace, config: Path, out: Path) -> dict[str, list[st
     return {
         "preset": ["run", str(config), str(out / "preset")],
         "cifar": ["run", str(config), str(out / "cifar"), *CIFAR],
-        "sweep": ["sweep", str(config), str(out / "sweep"), runs, f"rounds={args.sweep_rounds}"],
+        "sweep": ["sweep", str(config), str(out / "@RUN@"), runs, f"rounds={args.sweep_rounds}"],
         "eval": ["eval", str(config), "10000", *CIFAR],
         "full": ["full", str(config), *CIFAR],
         "process": ["run", str(config), str(out / "process"), *PROCESS, "engine=process", "workers=2"],
@@ -171,7 +171,8 @@ def main() -> None:
                     order = ("base", "new") if rep % 2 == 0 else ("new", "base")
                     for version in order:
                         src = (base if version == "base" else new) / "src"
-                        results[job][version].append(run_job(src, argv_for(spec, job, version)))
+                        argv = [a.replace("@RUN@", f"{job}-{version}-{rep}") for a in argv_for(spec, job, version)]
+                        results[job][version].append(run_job(src, argv))  # each job its own run folder
                         print(f"rep {rep + 1} {job} {version}: {results[job][version][-1]}", flush=True)
                     if job == "process":  # the FedML-style whole process, once per rep (same code both columns)
                         u = run_job(new / "src", spec["usual"])
