@@ -150,6 +150,15 @@ class Layout:
         parts = [display(k, v, names, k in self.section.named_axes) for k, v in col.items()]
         return ", ".join(parts) or "all runs"
 
+    def columns_without(self, key: str) -> list[dict[str, Any]]:
+        """The distinct columns with ``key`` dropped, in column order (a plot's panels, a protocol's settings)."""
+        out: list[dict[str, Any]] = []
+        for col in self.columns:
+            rest = {k: v for k, v in col.items() if k != key}
+            if rest not in out:
+                out.append(rest)
+        return out
+
     def column_hyper_note(self) -> str:
         """``"fedprox mu: femnist 0.01, cifar10 0.001"`` for hyperparameters set per column ('' if none)."""
         names = self.section.names()

@@ -133,12 +133,7 @@ def versus_setting(lay: Layout, key: str, out: str | Path) -> Path | None:
     """Final metric vs a numeric setting (e.g. Dirichlet q), one line per row, one panel per other setting;
     error bars are ±1 std over seeds. References (e.g. centralised) appear as dotted lines."""
     s = lay.section
-    others = [k for k in lay.col_keys if k != key]
-    panels: list[dict[str, Any]] = []
-    for col in lay.columns:
-        p = {k: col[k] for k in others}
-        if p not in panels:
-            panels.append(p)
+    panels = lay.columns_without(key)
     xs = sorted({col[key] for col in lay.columns})
     if all(sum(all(col[k] == v for k, v in p.items()) for col in lay.columns) < 2 for p in panels):
         return None  # every panel would hold one point: nothing to read off against the setting

@@ -51,12 +51,7 @@ def robustness_table(lay: Layout) -> list[Table]:
     protocols = list(dict.fromkeys(str(g.setting[AXIS]) for g in s.groups if g.setting.get(AXIS) is not None))
     names = s.names()
     heads = [display(AXIS, p, names, True) for p in protocols]
-    others = [k for k in lay.col_keys if k != AXIS]
-    settings: list[dict[str, Any]] = []
-    for col in lay.columns:
-        rest = {k: col[k] for k in others}
-        if rest not in settings:
-            settings.append(rest)
+    settings = lay.columns_without(AXIS)
     rows, robust = [], 0
     for rest in settings:
         verdicts, shares = {}, []
