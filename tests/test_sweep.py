@@ -21,7 +21,7 @@ from hafedho.report.build import write_report
 from hafedho.results import RunLock, read_metrics
 from hafedho.sweep.execute import run_spec, run_status, run_sweep
 from hafedho.sweep.expand import expand
-from hafedho.sweep.index import IndexEntry, read_index, write_index
+from hafedho.sweep.index import IndexEntry, changing_overrides, read_index, write_index
 from hafedho.sweep.presets import PRESET_DIR, SCALES, Preset, list_presets, load_preset
 from hafedho.toml_io import dump_toml, read_toml
 
@@ -477,3 +477,22 @@ def test_momentum_runs_fedavgm_at_hafedhos_lr() -> None:
         if s.label == "hafedho-twin" and s.point["data.q"] == 0.3
     }
     assert twins and twins <= {s.name for s in specs}
+
+
+def test_a_partial_sweep_lists_the_whole_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep of some values of an axis (or fewer seeds) runs only those, but its index lists the whole preset, so
+    it never drops another sweep's runs from the report; an override that changes runs changes the index."""
+    path = tiny(tmp_path, grid='"algorithm.name" = ["hafedho", "fedavg"]\n"data.q" = [0.3, 0.6]')
+    preset = load_preset(str(path))
+    assert changing_overrides(preset, ["data.q=[0.3]", "algorithm.name=fedavg", "rounds=2", "data.q=[0.3, 1.0]"]) == [
+        "rounds=2",
+        "data.q=[0.3, 1.0]",
+    ]
+    assert main(["sweep", str(path), "data.q=[0.3]", "algorithm.name=fedavg", "--seeds", "1", "--quiet"]) == 0
+    index = read_index(tmp_path / "runs-cpu" / "sweeps" / "tiny.json")
+    assert len(index.runs) == 2 * 2 * 2 and {e.dir for e in index.runs} == {s.name for s in expand(preset)}
+    done = {p.name for p in (tmp_path / "runs-cpu").iterdir() if (p / "done").exists()}
+    assert len(done) == 1 and done < {e.dir for e in index.runs}
+    assert main(["sweep", str(path), "rounds=2", "--dry-run"]) == 0  # changing overrides: nothing written
+    capsys.readouterr()
+    assert "| not started | 7 |" in write_report(tmp_path / "runs-cpu", tmp_path / "rep").text  # not absent

@@ -82,7 +82,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from hafedho.sweep.browse import refresh_results_index, write_results_index
     from hafedho.sweep.execute import Outcome, run_status, run_sweep
     from hafedho.sweep.expand import expand
-    from hafedho.sweep.index import write_index
+    from hafedho.sweep.index import changing_overrides, write_index
     from hafedho.sweep.presets import list_presets, load_preset
 
     if args.preset == "index":
@@ -108,12 +108,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     backend = _sweep_backend(args)
     failed: dict[str, str] = {}
-    write_index(preset, specs, out)
+    # The index lists the whole preset even when this sweep runs part of it (some values of an axis, fewer seeds)
+    changing = changing_overrides(preset, args.overrides)
+    seeds = None if args.seeds is None else max(args.seeds, preset.seeds)
+    partial = changing != list(args.overrides) or seeds != args.seeds
+    listed = expand(preset, seeds, changing, args.out) if partial else specs
+    write_index(preset, listed, out)
 
     def on_outcome(o: Outcome) -> None:  # keep the index's failure list current, so a killed sweep still reports them
         if o.status == "failed":
             failed[o.name] = o.message
-            write_index(preset, specs, out, failed)
+            write_index(preset, listed, out, failed)
 
     result = run_sweep(specs, jobs=args.jobs, progress=not args.quiet, on_outcome=on_outcome, backend=backend)
     on = f", on {backend.where}" if backend is not None and backend.where else ""

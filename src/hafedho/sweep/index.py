@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hafedho.results import write_json
 from hafedho.sweep.presets import Preset, row_axes
+from hafedho.toml_io import parse_override
 
 if TYPE_CHECKING:  # a type only: the report reads indexes without loading the expansion
     from hafedho.sweep.expand import RunSpec
@@ -96,6 +98,24 @@ def read_index(path: Path) -> SweepIndex:
         twins=dict(data.get("twins", {})),
         notes=list(data.get("notes", [])),
     )
+
+
+def changing_overrides(preset: Preset, overrides: Iterable[str]) -> list[str]:
+    """The overrides that change the preset's runs. One that narrows a grid axis to some of its own values only
+    selects which runs a sweep runs, so the index still lists the whole preset (the report shows the rest as not
+    run) and a partial sweep never drops the runs of another from the report."""
+    changing = []
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        values = preset.grid.get(key)
+        if values is not None:
+            value: Any = parse_override(text)
+            for part in key.split("."):
+                value = value[part]
+            if all(v in values for v in (value if isinstance(value, list) else [value])):
+                continue
+        changing.append(text)
+    return changing
 
 
 def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: dict[str, str] | None = None) -> Path:
