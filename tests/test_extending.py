@@ -285,7 +285,7 @@ def test_python_api_takes_a_config_object_and_a_path(tmp_path: Path) -> None:
     b = hafedho.run(SMOKE, "rounds=1", "algorithm.name=fedavg", out=tmp_path / "b")
     assert a.run_dir.name == b.run_dir.name and no_wall(a.rows) == no_wall(b.rows)
     again = hafedho.run(cfg, out=tmp_path / "a")  # resume=True: a finished run is read back, nothing recomputed
-    assert again.rows == a.rows
+    assert again.rows == a.rows and again.already_finished and not a.already_finished
     with pytest.raises(ConfigError, match="config file not found"):
         hafedho.run("no-such-config")
 
