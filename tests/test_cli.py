@@ -29,6 +29,28 @@ def test_run_smoke_config_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
     )
 
 
+def test_hafedho_run_is_the_python_api(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hafedho run`` is ``hafedho.api.run`` with the command line's arguments: one path for both."""
+    import hafedho.api
+
+    calls: list[tuple] = []
+    real = hafedho.api.run
+    monkeypatch.setattr(hafedho.api, "run", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    assert run_smoke(tmp_path, "rounds=1") == 0
+    assert calls == [
+        (("smoke", "rounds=1"), {"out": str(tmp_path), "resume": False, "force": False, "progress": False})
+    ]
+    result = real("smoke", "rounds=1", out=tmp_path)  # resume=True: the finished run, read back
+    assert result.already_finished and f"round 1, test/acc {result.final['test/acc']:.4f}" in capsys.readouterr().out
+    assert run_smoke(tmp_path, "rounds=1", "--resume") == 0
+    assert (
+        f"already finished at round 1 (test/acc {result.final['test/acc']:.4f}); nothing changed in {result.run_dir}"
+        in (capsys.readouterr().out)
+    )
+
+
 def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "smoke", "data.q=0", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

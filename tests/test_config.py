@@ -69,6 +69,39 @@ def test_only_the_selected_algorithms_table_is_kept() -> None:
     assert table == {"name": "fedprox", "lr": 0.05, "fedprox": {"mu": 0.1}}
 
 
+def test_the_algorithm_is_built_once_and_never_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loaded config holds its algorithm (built at load, not at every use); any change to ``[algorithm]``
+    (an edit in place, a new table, ``dataclasses.replace``) is seen, and a pickle or copy carries the table only."""
+    import copy
+    import pickle
+
+    from hafedho import config as config_mod
+
+    cfg = load_config(None, ["algorithm.name=fedprox", "algorithm.fedprox.mu=0.1"])
+    builds: list[dict] = []
+    real = config_mod.algorithm_from_table
+    monkeypatch.setattr(config_mod, "algorithm_from_table", lambda t: builds.append(t) or real(t))
+    alg = cfg.selected_algorithm()
+    assert cfg.selected_algorithm() is alg and cfg.run_name and not builds  # held since load
+    cfg.algorithm["fedprox"]["mu"] = 0.2
+    assert cfg.selected_algorithm().mu == 0.2 and len(builds) == 1
+    cfg.algorithm = {"name": "fedavg", "lr": 0.05}
+    assert cfg.selected_algorithm().name == "fedavg"
+    other = dataclasses.replace(cfg, algorithm={"name": "fedprox", "fedprox": {"mu": 0.3}})
+    assert other.selected_algorithm().mu == 0.3 and cfg.selected_algorithm().name == "fedavg"
+    assert "_resolved" not in vars(pickle.loads(pickle.dumps(cfg))) and copy.deepcopy(cfg) == cfg
+    assert pickle.loads(pickle.dumps(cfg)).selected_algorithm() == cfg.selected_algorithm()
+    cfg.algorithm["mu"] = 0.5  # fedavg has no mu: refused, never an old algorithm
+    with pytest.raises(ConfigError, match=r"^algorithm.mu: unknown setting for fedavg"):
+        cfg.selected_algorithm()
+
+
+def test_the_run_dir_is_out_and_the_run_name() -> None:
+    cfg = load_config(None, ["out=elsewhere"])
+    assert cfg.run_dir == Path("elsewhere") / cfg.run_name
+    assert dataclasses.replace(cfg, seed=1).run_dir.name.endswith("-s1")
+
+
 def test_the_runtime_half_is_declared_on_the_fields() -> None:
     """``runtime_hp`` marks how, where and how long a run runs; everything else is the experiment."""
     runtime = {"rounds", "eval_every", "checkpoint_every", "engine", "workers", "vmap_chunk", "threads", "compile"}

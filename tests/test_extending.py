@@ -221,6 +221,24 @@ def test_a_bad_reference_is_one_line_naming_the_fix(
     assert not any(tmp_path.iterdir())  # refused before any run directory is made
 
 
+def test_user_code_has_one_spelling_and_a_passed_module_only_a_record(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``"package.module:Name"`` names user code everywhere; ``custom:<module>.<Class>`` is what a run built from a
+    module passed in Python records (``core.refs.user_module_name``), never a reference: typed, it is refused
+    with both ways that work."""
+    from hafedho.core.refs import is_reference, user_module_name
+
+    assert is_reference(NET) and is_reference(FEDADAM) and not is_reference("mlp")
+    assert user_module_name(nn.Linear) == "custom:torch.nn.modules.linear.Linear"
+    assert not is_reference(user_module_name(nn.Linear))
+    assert main(["run", "smoke", "model.name='custom:my_pkg.nets.Net'", "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "hafedho.experiment.build(cfg, module=...), or name it by reference: model.name='package.module:Class'" in err
+    )
+
+
 def test_an_undecorated_subclass_and_a_wrong_return_are_refused(tmp_path: Path) -> None:
     from hafedho.core import hp
 
@@ -285,7 +303,7 @@ def test_python_api_takes_a_config_object_and_a_path(tmp_path: Path) -> None:
     b = hafedho.run(SMOKE, "rounds=1", "algorithm.name=fedavg", out=tmp_path / "b")
     assert a.run_dir.name == b.run_dir.name and no_wall(a.rows) == no_wall(b.rows)
     again = hafedho.run(cfg, out=tmp_path / "a")  # resume=True: a finished run is read back, nothing recomputed
-    assert again.rows == a.rows
+    assert again.rows == a.rows and again.already_finished and not a.already_finished
     with pytest.raises(ConfigError, match="config file not found"):
         hafedho.run("no-such-config")
 

@@ -230,24 +230,24 @@ def _wait(what: str, check: Callable[[], Any], timeout: float, *services: Servic
     raise AssertionError(f"timed out waiting for {what}: " + " | ".join(s.output()[-1500:] for s in services))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds Ray's processes in /proc")
-def test_a_worker_node_killed_mid_sweep(tmp_path: Path) -> None:
-    """A head and a worker node (one CPU each) on loopback; the sweep joins with --address. The worker node's
-    raylet is killed (SIGKILL) while a run is on it, after that run has checkpointed: the lost run is resubmitted
-    and resumes on the head from its checkpoint; every run finishes with one row per round, metrics equal to an
-    uninterrupted run's, the rows before the checkpoint not recomputed, runs finished before the kill untouched."""
-    rounds = 150  # about 7 s a run: the run on the worker node is still running when its raylet is killed
-    path = tiny(tmp_path)
-    path.write_text(path.read_text().replace("rounds = 3\n", f"rounds = {rounds}\n"))
-    out = tmp_path / "runs-cpu"
-    specs = expand(load_preset(str(path)))
-    assert len(specs) == 4
+@dataclasses.dataclass
+class Cluster:
+    """A head and a worker node (one CPU each) started by ``ray start`` on loopback."""
+
+    address: str
+    head: Service
+    worker: Service
+    env: dict[str, str]
+
+
+@pytest.fixture
+def loopback_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """Two Ray nodes on loopback, each with its own temp folder; stopped afterwards, and no Ray process that used
+    either folder may be left running."""
     head_tmp, worker_tmp = (Path(tempfile.mkdtemp(prefix=p, dir="/tmp")) for p in ("hfh", "hfw"))
     env = _src_env()
     port = free_port()
     services: list[Service] = []
-    sweep: subprocess.Popen | None = None
     try:
         head = _ray_start(
             "head",
@@ -266,22 +266,39 @@ def test_a_worker_node_killed_mid_sweep(tmp_path: Path) -> None:
         )
         services.append(worker)
         _wait("the worker node", lambda: "Ray runtime started" in worker.output(), 120, head, worker)
+        yield Cluster(f"127.0.0.1:{port}", head, worker, env)
+    finally:
+        for s in reversed(services):
+            s.stop()
+        left = [p for folder in (head_tmp, worker_tmp) for p in _processes_using(folder)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        for folder in (head_tmp, worker_tmp):
+            shutil.rmtree(folder, ignore_errors=True)
+    assert not left, f"Ray processes outlived the test: {left}"
 
-        cmd = [
-            sys.executable,
-            "-m",
-            "hafedho",
-            "sweep",
-            str(path),
-            "--backend",
-            "ray",
-            "--address",
-            f"127.0.0.1:{port}",
-        ]  # fmt: skip (not --quiet: the retry line is a per-run line)
-        log = open(tmp_path / "sweep.log", "w")  # noqa: SIM115 - closed below
-        sweep = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
-        )
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds Ray's processes in /proc")
+def test_a_worker_node_killed_mid_sweep(tmp_path: Path, loopback_cluster: Cluster) -> None:
+    """The sweep joins the two-node cluster with --address. The worker node's raylet is killed (SIGKILL) while a
+    run is on it, after that run has checkpointed: the lost run is resubmitted and resumes on the head from its
+    checkpoint; every run finishes with one row per round, metrics equal to an uninterrupted run's, the rows before
+    the checkpoint not recomputed, runs finished before the kill untouched."""
+    rounds = 150  # about 7 s a run: the run on the worker node is still running when its raylet is killed
+    path = tiny(tmp_path)
+    path.write_text(path.read_text().replace("rounds = 3\n", f"rounds = {rounds}\n"))
+    out = tmp_path / "runs-cpu"
+    specs = expand(load_preset(str(path)))
+    assert len(specs) == 4
+    head, worker = loopback_cluster.head, loopback_cluster.worker
+    argv = ["sweep", str(path), "--backend", "ray", "--address", loopback_cluster.address]
+    cmd = [sys.executable, "-m", "hafedho", *argv]  # not --quiet: the retry line is a per-run line
+    log = open(tmp_path / "sweep.log", "w")  # noqa: SIM115 - closed below
+    sweep = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=loopback_cluster.env, cwd=tmp_path, start_new_session=True
+    )
+    try:
 
         def raylet() -> int | None:
             return next((p for p, _ in descendants(worker.pid) if "raylet/raylet" in _cmdline(p)), None)
@@ -303,41 +320,28 @@ def test_a_worker_node_killed_mid_sweep(tmp_path: Path) -> None:
         rows_before = read_metrics(out / name)
         os.kill(killed_raylet, signal.SIGKILL)
         code = sweep.wait(timeout=480)
-        log.close()
-        text = (tmp_path / "sweep.log").read_text()
-        assert code == 0, text
-        assert f"retry    {name}" in text and "sweep tiny (cpu): 4 done" in text, text
-        assert "the Ray cluster at 127.0.0.1" in text
-
-        for s in specs:  # one row per round, the done marker, nothing but a run's files (no temporary leftovers)
-            rows = read_metrics(s.run_dir)
-            assert [r["round"] for r in rows] == list(range(1, rounds + 1)), s.name
-            assert (s.run_dir / "done").is_file() and {p.name for p in s.run_dir.iterdir()} <= RUN_FILES, s.name
-        for finished, data in before.items():  # finished before the kill: not redone
-            assert (out / finished / "metrics.jsonl").read_bytes() == data
-        after = read_metrics(out / name)
-        assert (
-            after[: len(rows_before) - 1] == rows_before[:-1]
-        )  # resumed: rows before the checkpoint kept as they were
-        index = json.loads((out / "sweeps" / "tiny.json").read_text())
-        assert len(index["runs"]) == 4 and index["failed"] == {}
-
-        # the resumed run equals an uninterrupted one (the local backend, another folder)
-        spec = next(s for s in specs if s.name == name)
-        assert (
-            run_spec(dataclasses.replace(spec.cfg, out=str(tmp_path / "ref")), str(tmp_path / "ref" / name)).status
-            == "done"
-        )
-        assert no_wall(read_metrics(tmp_path / "ref" / name)) == no_wall(after)
     finally:
-        if sweep is not None and sweep.poll() is None:
+        if sweep.poll() is None:
             sweep.kill()
             sweep.wait()
-        for s in reversed(services):
-            s.stop()
-        left = [p for folder in (head_tmp, worker_tmp) for p in _processes_using(folder)]
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        for folder in (head_tmp, worker_tmp):
-            shutil.rmtree(folder, ignore_errors=True)
-    assert not left, f"Ray processes outlived the test: {left}"
+        log.close()
+    text = (tmp_path / "sweep.log").read_text()
+    assert code == 0, text
+    assert f"retry    {name}" in text and "sweep tiny (cpu): 4 done" in text, text
+    assert "the Ray cluster at 127.0.0.1" in text
+
+    for s in specs:  # one row per round, the done marker, nothing but a run's files (no temporary leftovers)
+        rows = read_metrics(s.run_dir)
+        assert [r["round"] for r in rows] == list(range(1, rounds + 1)), s.name
+        assert (s.run_dir / "done").is_file() and {p.name for p in s.run_dir.iterdir()} <= RUN_FILES, s.name
+    for finished, data in before.items():  # finished before the kill: not redone
+        assert (out / finished / "metrics.jsonl").read_bytes() == data
+    after = read_metrics(out / name)
+    assert after[: len(rows_before) - 1] == rows_before[:-1]  # resumed: rows before the checkpoint kept as they were
+    index = json.loads((out / "sweeps" / "tiny.json").read_text())
+    assert len(index["runs"]) == 4 and index["failed"] == {}
+
+    # the resumed run equals an uninterrupted one (the local backend, another folder)
+    spec = next(s for s in specs if s.name == name)
+    ref = run_spec(dataclasses.replace(spec.cfg, out=str(tmp_path / "ref")), str(tmp_path / "ref" / name))
+    assert ref.status == "done" and no_wall(read_metrics(tmp_path / "ref" / name)) == no_wall(after)

@@ -31,12 +31,13 @@ BUILT_IN = {"algorithm": frozenset(REGISTRY), "model": frozenset(MODELS), "data"
 
 @dataclass
 class RunResult:
-    """What ``run`` returns: the run's metrics rows (``metrics.jsonl``, one dict per logged round), its directory
-    and its resolved config."""
+    """What ``run`` returns: the run's metrics rows (``metrics.jsonl``, one dict per logged round), its directory,
+    its resolved config, and whether it had already finished (resumed at its last round: nothing changed)."""
 
     rows: list[dict[str, Any]]
     run_dir: Path
     config: Config = field(repr=False)
+    already_finished: bool = False
 
     @property
     def final(self) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def run(
     module: Callable[[], nn.Module] | None = None,
     **settings: Any,
 ) -> RunResult:
-    """Run one experiment as ``hafedho run`` does (``experiment.build`` then ``sim.runner.run``) and return its rows.
+    """Run one experiment, as ``hafedho run`` does through it (``experiment.build``, ``sim.runner.run``); its rows.
 
     Args:
         config: a ``Config``, a table as TOML would give it (``{"rounds": 5, "algorithm": {"name": "fedavg"}}``),
@@ -69,7 +70,8 @@ def run(
         **settings: top-level keys, merged into the config like a file's: ``rounds=5``, ``data={"q": 0.1}``.
 
     Returns:
-        ``RunResult``: ``.rows`` (every metrics row), ``.final`` (the last), ``.run_dir``, ``.config``.
+        ``RunResult``: ``.rows`` (every metrics row), ``.final`` (the last), ``.run_dir``, ``.config``,
+        ``.already_finished``.
 
     Raises:
         ConfigError, DataError, PartitionError, RunDirError: one line naming the problem and the fix, as the CLI
@@ -77,6 +79,7 @@ def run(
     """
     from hafedho.experiment import build  # the heavy half, imported when a run starts
     from hafedho.results import read_metrics
+    from hafedho.runtime.rundir import is_finished
     from hafedho.sim.runner import run as run_experiment
 
     table = _table(config)
@@ -86,9 +89,10 @@ def run(
     if out is not None:
         table["out"] = str(out)
     exp = build(config_from_table(table), module=module)
-    run_dir = Path(exp.cfg.out) / exp.cfg.run_name  # exp.cfg: with module=..., it names the user's model
+    run_dir = exp.cfg.run_dir  # exp.cfg: with module=..., it names the user's model
+    finished = resume and not force and is_finished(run_dir, exp.cfg.rounds)
     run_experiment(exp, run_dir, resume=resume, force=force, progress=progress)
-    return RunResult(read_metrics(run_dir), run_dir, exp.cfg)
+    return RunResult(read_metrics(run_dir), run_dir, exp.cfg, finished)
 
 
 def _table(config: Config | Mapping[str, Any] | str | Path | None) -> dict[str, Any]:

@@ -9,42 +9,32 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hafedho.config import CONFIG_DIR, Config, ConfigError, config_path, load_config
+from hafedho.config import CONFIG_DIR, ConfigError, load_config
 
 if TYPE_CHECKING:  # Ray is optional: the backend's module is imported only for --backend ray
     from hafedho.sweep.ray_backend import RayBackend
 
 
-def run_one(cfg: Config, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
-    from hafedho.experiment import build
-    from hafedho.sim.runner import run
-
-    run_dir = Path(cfg.out) / cfg.run_name
-    return run(build(cfg), run_dir, resume=resume, force=force, progress=progress)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from hafedho.runtime.rundir import is_finished
+    from hafedho.api import run
 
-    cfg = load_config(None if args.config is None else config_path(args.config), args.overrides)
-    if args.out:
-        cfg.out = args.out
-    run_dir = Path(cfg.out) / cfg.run_name
-    finished = args.resume and not args.force and is_finished(run_dir, cfg.rounds)
-    last = run_one(cfg, resume=args.resume, force=args.force, progress=not args.quiet)
+    out = args.out or None  # --out "" keeps the config's out, as it always has
+    result = run(args.config, *args.overrides, out=out, resume=args.resume, force=args.force, progress=not args.quiet)
+    cfg, last = result.config, result.final
     acc = last.get("test/acc")
     acc_text = f"test/acc {acc:.4f}" if isinstance(acc, float) else "not evaluated"
-    if finished:
+    if result.already_finished:
         print(
             f"{cfg.run_name}: already finished at round {last.get('round')} ({acc_text}); nothing changed in "
-            f"{run_dir}. To train longer: --resume rounds=N with N > {cfg.rounds}"
+            f"{result.run_dir}. To train longer: --resume rounds=N with N > {cfg.rounds}"
         )
     else:
-        print(f"{cfg.run_name}: round {last.get('round')}, {acc_text} -> {run_dir}")
+        print(f"{cfg.run_name}: round {last.get('round')}, {acc_text} -> {result.run_dir}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from hafedho.api import run
     from hafedho.report.build import write_report
 
     if args.seeds < 1:
@@ -55,10 +45,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             overrides = [f"algorithm.name={alg}", f"seed={seed}", *args.overrides]
             cfg = load_config(CONFIG_DIR / "demo.toml", overrides)
             cfg.out = str(out)
-            run_dir = out / cfg.run_name
-            if (run_dir / "done").exists():
+            if (cfg.run_dir / "done").exists():
                 continue
-            run_one(cfg, resume=run_dir.exists())
+            run(cfg, resume=cfg.run_dir.exists(), progress=True)
     title = "digits, Dirichlet q=0.3, 50 clients, 10% participation"
     files = write_report(out, title=f"Demo: {title}")  # the main report: results.md, accuracy.png, report.html
     final = files.pages[-1].tables[0]  # the demo's runs are plain runs: the last section; its first table is final

@@ -17,7 +17,7 @@ from typing import Any
 from hafedho.algorithms import algorithm_from_table, applicable
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
 from hafedho.core.refs import file_name
-from hafedho.data.partition import FLWR, PARTITIONS
+from hafedho.data.partition import check_partition
 from hafedho.engine_registry import ENGINES, engine_help, option_field
 from hafedho.toml_io import deep_merge, parse_override, read_toml
 
@@ -158,13 +158,26 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return _drop_none(dataclasses.asdict(self))
 
+    @property
+    def run_dir(self) -> Path:
+        """``out/RUN_NAME``: where ``hafedho run`` and ``hafedho.run`` write (a Flower run: under ``out/flower``)."""
+        return Path(self.out) / self.run_name
+
     def selected_algorithm(self) -> FedAlgorithm:
         """The algorithm ``[algorithm]`` selects, its settings resolved (``hafedho.algorithms.resolve_algorithm``).
 
-        ``load_config`` and ``config_from_table`` already built it once, so a bad hyperparameter fails at load
-        for ``hafedho run``, sweeps and Flower alike; this raises ConfigError only for a table changed since.
+        Built once, when the config is loaded (``validate``: a bad hyperparameter fails there), and held with the
+        text of the table it was built from; a table changed since (an override, ``dataclasses.replace``, an
+        edit in place) is resolved again, so the algorithm never disagrees with ``algorithm``.
         """
-        return algorithm_from_table(self.algorithm)
+        key = canonical_json(self.algorithm)
+        held = vars(self).get("_resolved")
+        if held is None or held[0] != key:
+            held = self._resolved = (key, algorithm_from_table(self.algorithm))
+        return held[1]
+
+    def __getstate__(self) -> dict[str, Any]:  # pickles (sweep workers, Ray) carry the table, never its algorithm
+        return {k: v for k, v in vars(self).items() if k != "_resolved"}
 
 
 # The runtime half of the config, declared on its fields (``runtime_hp``); the rest is the experiment.
@@ -301,31 +314,18 @@ def validate(cfg: Config) -> Config:
             "measure HaFedHo's h); use algorithm.name=hafedho or set diagnostics.every=0"
         )
     cfg.algorithm = applicable(cfg.algorithm)
+    cfg._resolved = (canonical_json(cfg.algorithm), alg)  # held as built: the tables dropped never applied to it
     if cfg.name is not None:
         check_run_name(cfg.name)
     check_log(cfg.log)
     s = cfg.sampling
-    check_partition(cfg.data)
+    check_partition(cfg.data.partition, cfg.data.partition_options)
     if cfg.data.partition != "natural" and cfg.data.num_clients == 0:
         cfg.data.num_clients = 100
     n = cfg.data.num_clients
     if s.mode == "fixed" and n and s.cohort_size > n:
         raise ConfigError(f"sampling.cohort_size={s.cohort_size} exceeds data.num_clients={n}; lower it")
     return cfg
-
-
-def check_partition(d: DataConfig) -> None:
-    """``data.partition`` is one of ours or ``flwr:<Partitioner>``; ``partition_options`` go with the latter only."""
-    flwr = d.partition.startswith(FLWR) and len(d.partition) > len(FLWR)
-    if d.partition not in PARTITIONS and not flwr:
-        raise ConfigError(
-            f"data.partition={d.partition!r}: choose one of {', '.join(map(repr, PARTITIONS))} or "
-            f"'{FLWR}<Partitioner>' (e.g. '{FLWR}DirichletPartitioner')"
-        )
-    if d.partition_options is not None and not flwr:
-        raise ConfigError(
-            f"data.partition_options: only for data.partition='{FLWR}<Partitioner>'; remove it or use data.q"
-        )
 
 
 def check_log(log: LogConfig) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
 from hafedho.core import FedAlgorithm, FunctionalModel
+from hafedho.core.refs import USER_MODULE, user_module_name
 from hafedho.core.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.core.seeds import seed_for
 from hafedho.data import partition as P
@@ -77,9 +78,6 @@ def make_partition(cfg: Config, ds: Dataset, seed: int) -> list[np.ndarray]:
     return P.dirichlet(ds.y_train, d.num_clients, d.q, seed, min_size=d.min_size)
 
 
-CUSTOM = "custom:"  # model.name prefix of a user module: custom:<module>.<Class>
-
-
 def architecture(module: nn.Module) -> str:
     """8 hex digits of a module's parameter and buffer names, shapes and dtypes: two user modules of one class
     but another size are two experiments."""
@@ -116,14 +114,15 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
             as is; MOON and pFedAFM also need ``forward(x, return_features=True) -> (z, logits)``). It is called
             after the run's model seed is set, so the same config gives the same initial model. An ``nn.Module``
             instance is accepted too, with a warning: its weights were drawn before ``build`` could seed them.
-            The run's config records ``model.name = "custom:<module>.<Class>"`` and, as its only option, the
-            module's ``architecture`` (a hash of its parameter shapes), so its directory name and its resume check
-            see the user's model, never the default one.
+            The run's config records ``model.name = "custom:<module>.<Class>"`` (``core.refs.user_module_name``: a
+            record, not a reference) and, as its only option, the module's ``architecture`` (a hash of its parameter
+            shapes), so its directory name and its resume check see the user's model, never the default one.
     """
     alg = cfg.selected_algorithm()  # checked when the config was loaded, before any data
-    if module is None and cfg.model.name.startswith(CUSTOM):
+    if module is None and cfg.model.name.startswith(USER_MODULE):
         raise ConfigError(
-            f"model.name={cfg.model.name!r} is a user module; pass it to hafedho.experiment.build(cfg, module=...)"
+            f"model.name={cfg.model.name!r} is a user module; pass it to hafedho.experiment.build(cfg, module=...), "
+            "or name it by reference: model.name='package.module:Class'"
         )
     if module is not None and not (isinstance(module, nn.Module) or callable(module)):
         raise ConfigError(
@@ -161,7 +160,7 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
                 raise ConfigError(f"build(module=...): the factory returned {type(module).__name__}, not nn.Module")
         cfg = copy.deepcopy(cfg)  # the caller's config keeps its own model
         cfg.model = ModelConfig(
-            name=f"{CUSTOM}{type(module).__module__}.{type(module).__qualname__}",
+            name=user_module_name(type(module)),
             options={"architecture": architecture(module)},
         )
     sizes = [len(p) for p in parts]

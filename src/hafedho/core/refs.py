@@ -5,6 +5,9 @@ The module must be importable where the run happens: installed, on ``PYTHONPATH`
 ``python -m`` does) in the working directory. Spawned workers (sweeps with ``--jobs``) inherit this process's
 ``sys.path`` and working directory, forked ones (the process engine) its imported modules, so a reference that
 resolves here resolves there. Plain standard library: every registry (algorithms, models, data) uses it.
+
+This is the one spelling of user code in a config. The one other name with a colon is a record, never typed:
+``USER_MODULE``, what a run built from a module passed in Python writes as its ``model.name``.
 """
 
 from __future__ import annotations
@@ -13,14 +16,25 @@ import importlib
 import os
 import sys
 
-__all__ = ["file_name", "import_reference", "is_reference"]
+__all__ = ["USER_MODULE", "file_name", "import_reference", "is_reference", "user_module_name"]
+
+USER_MODULE = "custom:"  # model.name of a module passed in Python: "custom:<module>.<Class>", a record
 
 FIX = "make its package importable: pip install it, add its folder to PYTHONPATH, or run from the folder holding it"
 
 
 def is_reference(name: object) -> bool:
-    """True for ``"package.module:Name"`` (a name with a colon); built-in and registered names have none."""
-    return isinstance(name, str) and ":" in name
+    """True for ``"package.module:Name"`` (a name with a colon); built-in and registered names have none, and a
+    ``USER_MODULE`` record is none either."""
+    return isinstance(name, str) and ":" in name and not name.startswith(USER_MODULE)
+
+
+def user_module_name(cls: type) -> str:
+    """The ``model.name`` a run records for a module passed in Python (``experiment.build(cfg, module=...)``,
+    ``hafedho.run(..., module=...)``): ``"custom:<module>.<Class>"``. Not a reference: the run cannot be rebuilt
+    from it by name (it needs the module passed again), hence its own spelling, which those runs' names hash, so
+    it stays as it is."""
+    return f"{USER_MODULE}{cls.__module__}.{cls.__qualname__}"
 
 
 def file_name(name: str) -> str:

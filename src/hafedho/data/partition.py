@@ -13,10 +13,13 @@ from numbers import Integral, Real
 
 import numpy as np
 
+from hafedho.core.algorithm import ConfigError
+
 __all__ = [
     "FLWR",
     "PARTITIONS",
     "PartitionError",
+    "check_partition",
     "dirichlet",
     "iid",
     "label_skew",
@@ -31,6 +34,21 @@ class PartitionError(ValueError):
 
 PARTITIONS = ("dirichlet", "iid", "natural")  # data.partition: ours, or FLWR + a flwr-datasets partitioner's name
 FLWR = "flwr:"  # e.g. "flwr:DirichletPartitioner" (hafedho.data.flwr_partition)
+
+
+def check_partition(partition: str, options: dict | None) -> None:
+    """``data.partition`` is one of ours or ``flwr:<Partitioner>``; ``data.partition_options`` go with the latter
+    only (checked when the config is loaded: ConfigError)."""
+    flwr = partition.startswith(FLWR) and len(partition) > len(FLWR)
+    if partition not in PARTITIONS and not flwr:
+        raise ConfigError(
+            f"data.partition={partition!r}: choose one of {', '.join(map(repr, PARTITIONS))} or "
+            f"'{FLWR}<Partitioner>' (e.g. '{FLWR}DirichletPartitioner')"
+        )
+    if options is not None and not flwr:
+        raise ConfigError(
+            f"data.partition_options: only for data.partition='{FLWR}<Partitioner>'; remove it or use data.q"
+        )
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

@@ -13,7 +13,15 @@ from pathlib import Path
 
 from hafedho.flower.flwr_cli import toml_value
 
-__all__ = ["APP_PYPROJECT", "RUN_CONFIG", "RUN_CONFIG_DEFAULTS", "Setting", "app_pyproject", "write_app"]
+__all__ = [
+    "APP_PYPROJECT",
+    "RUN_CONFIG",
+    "RUN_CONFIG_DEFAULTS",
+    "Setting",
+    "app_pyproject",
+    "flower_run_dir",
+    "write_app",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,13 @@ RUN_CONFIG: tuple[Setting, ...] = (
     Setting("secagg-quantization-range", 0, "Q levels over [-c, c]; 0 = the largest 2^k <= 2^30 with m*Q < 2^32"),
 )
 RUN_CONFIG_DEFAULTS: dict[str, str | float | int | bool] = {s.key: s.default for s in RUN_CONFIG}
+
+
+def flower_run_dir(run_dir: Path) -> Path:
+    """A Flower run's directory when ``run-dir`` is "": the config's ``OUT/RUN_NAME`` (``Config.run_dir``) moved to
+    ``OUT/flower/RUN_NAME``, so a deployment and a simulation of one experiment never share a directory."""
+    return run_dir.parent / "flower" / run_dir.name
+
 
 _HEADER = """\
 # A Flower App that runs hafedho's algorithms: `flwr run . <superlink-connection>` from this folder.

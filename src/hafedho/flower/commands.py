@@ -22,7 +22,7 @@ from typing import Any
 
 from hafedho.config import CONFIG_DIR, ConfigError, load_config
 from hafedho.flower import deploy
-from hafedho.flower.app import RUN_CONFIG_DEFAULTS
+from hafedho.flower.app import RUN_CONFIG_DEFAULTS, flower_run_dir
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -161,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
     env = deploy.flower_env(home)
     sim = deploy.simulation_config(args.simulation, args.client_cpus, args.client_gpus) if args.simulation else None
     run_id = deploy.submit(app, env, run_config, sim)
-    where = args.run_dir or f"{cfg.out}/flower/{cfg.run_name} (relative to the SuperLink's working directory)"
+    where = args.run_dir or f"{flower_run_dir(cfg.run_dir)} (relative to the SuperLink's working directory)"
     print(f"run {run_id} submitted: {cfg.rounds} rounds of {cfg.algorithm['name']}; metrics -> {where}")
     if not args.wait:
         print(f"follow it with: FLWR_HOME={home} flwr log {run_id} {deploy.CONNECTION}")

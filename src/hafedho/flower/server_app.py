@@ -13,6 +13,7 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from hafedho.flower.app import flower_run_dir
 from hafedho.flower.common import experiment, run_setting, set_threads
 from hafedho.flower.secagg import SecAggSettings
 from hafedho.flower.secagg_server import SecureRounds
@@ -26,7 +27,7 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     set_threads(rc)
     exp = experiment(rc)
-    run_dir = str(run_setting(rc, "run-dir")) or str(Path(exp.cfg.out) / "flower" / exp.cfg.run_name)
+    run_dir = str(run_setting(rc, "run-dir")) or str(flower_run_dir(exp.cfg.run_dir))
     timeout = float(run_setting(rc, "round-timeout"))
     node_wait = float(run_setting(rc, "node-wait"))
     strategy = HafedhoStrategy(exp, run_dir, node_wait=node_wait, query_timeout=min(timeout, 120.0))
