@@ -90,7 +90,8 @@ def test_scales_and_bundles() -> None:
     full_t1 = expand(load_preset("table1", "full"))
     moon = {s.cfg.data.source: s.cfg.algorithm["moon"]["mu"] for s in full_t1 if s.label == "moon"}
     assert moon == {"cifar10": 5.0, "femnist": 1.0, "cifar100": 1.0}  # the paper's values at full scale
-    tuned = {s.cfg.data.source: s.cfg.algorithm for s in expand(load_preset("table1")) if s.label == "hafedho"}
+    t1 = expand(load_preset("table1"), overrides=["protocol=main"])  # main-long has values of its own
+    tuned = {s.cfg.data.source: s.cfg.algorithm for s in t1 if s.label == "hafedho"}
     chosen = _tuned_cpu()["femnist"]
     assert tuned["femnist"]["hafedho"]["mu"] == chosen["algorithm.hafedho.mu"] != 0.01  # CPU's tuned value ...
     fig3 = {s.cfg.algorithm["hafedho"]["mu"] for s in expand(load_preset("fig3")) if s.label == "hafedho"}
@@ -450,15 +451,17 @@ def _tuned_cpu() -> dict:
 
 
 def test_tuned_lr_is_each_algorithms_own() -> None:
-    """At CPU scale every row runs at its own tuned lr (_tuned.toml); tune itself extends _common, so its lr axis
-    never meets a tuned lr; the twin takes HaFedHo's lr."""
-    chosen = _tuned_cpu()
+    """At CPU scale every row runs at its own tuned lr (_tuned.toml; main-long's from _tuned_long.toml); tune
+    itself extends _common, so its lr axis never meets a tuned lr; the twin takes HaFedHo's lr."""
+    long = read_toml(PRESET_DIR / "_tuned_long.toml")["scale"]["cpu"]["bundles"]["protocol"]["main-long"]["when"]
     for s in expand(load_preset("table1"), seeds=1):
         name, settings = resolve_algorithm(s.cfg.algorithm)
+        d = s.point["dataset"]
+        chosen = long[f"dataset={d}"] if s.point["protocol"] == "main-long" else _tuned_cpu()[d]  # the horizon's own
         if s.label == "hafedho-twin":
-            assert settings["lr"] == chosen[s.point["dataset"]]["algorithm.hafedho.lr"]
+            assert settings["lr"] == chosen["algorithm.hafedho.lr"]
         else:
-            assert "lr" not in s.cfg.algorithm and settings["lr"] == chosen[s.point["dataset"]][f"algorithm.{name}.lr"]
+            assert "lr" not in s.cfg.algorithm and settings["lr"] == chosen[f"algorithm.{name}.lr"]
     lrs = {resolve_algorithm(s.cfg.algorithm)[1]["lr"] for s in expand(load_preset("tune"), seeds=1)}
     assert lrs == set(read_toml(PRESET_DIR / "tune.toml")["grid"]["algorithm.lr"])
 
