@@ -173,6 +173,7 @@ LAYERS: list[set[str]] = [
     {"sim", "flower"},
     {"sweep"},
     {"report"},
+    {"paper"},  # the HaFedHo study: loaded by reference from below (derive, report.study.DEFAULTS), never imported
     {"api"},
     {"cli", "hafedho"},  # hafedho: the package's __init__ (hafedho.run, hafedho.register)
     {"__main__"},  # python -m hafedho
@@ -255,3 +256,54 @@ def test_the_readmes_layout_block_names_every_module() -> None:
     modules = {p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_")}
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and not p.name.startswith("_")}
     assert modules | packages <= named, sorted((modules | packages) - named)
+
+
+GENERIC = ("core", "sweep", "report", "runtime", "sim")  # the library's layers: no algorithm named in their logic
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def algorithm_literals(code: str, names: list[str], package: str = "hafedho") -> list[str]:
+    """The string literals of ``code`` (docstrings aside; f-strings' literal parts included) that name one of
+    ``names``, as ``LINE: literal``: as a word in any case, except that the package's own name (also its command
+    and its modules' prefix) counts only as the whole literal or spelled otherwise than in lower case."""
+    tree = ast.parse(code)
+    skip, hits = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
+            continue
+        for name in names:
+            for m in re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", node.value, flags=re.IGNORECASE):
+                if name != package or m.group(0) != package or node.value.lower() == package:
+                    hits.append(f"{node.lineno}: {node.value[:60]!r} names {name}")
+    return hits
+
+
+def test_the_generic_layers_name_no_algorithm() -> None:
+    """No module of core/, sweep/, report/, runtime/ or sim/ names a registered algorithm in a string literal: what
+    belongs to one method (the paper's HaFedHo study) is in hafedho.paper, behind generic extension points."""
+    from hafedho.algorithms import REGISTRY
+
+    hits = [
+        f"{p.relative_to(SRC)}:{h}"
+        for g in GENERIC
+        for p in sorted((SRC / g).rglob("*.py"))
+        for h in algorithm_literals(p.read_text(), sorted(REGISTRY))
+    ]
+    assert not hits, hits
+
+
+def test_algorithm_literals_finds_them() -> None:
+    code = (
+        '"""hafedho and FedAvg in a docstring."""\nOWN = "hafedho"\nX = f"{a} FedAvg lead"\ncmd = "hafedho report"\n'
+        'ref = "hafedho.paper.twin:t"\nY = "HaFedHo"\nZ = "fedavgm"\n'
+    )
+    assert sorted(h.split(":")[0] for h in algorithm_literals(code, ["fedavg", "hafedho"])) == ["2", "3", "6"]

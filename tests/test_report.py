@@ -25,6 +25,8 @@ from hafedho.report.tables.rounds import rounds_tables
 from hafedho.sweep.index import IndexEntry, SweepIndex, read_index
 from hafedho.toml_io import dump_toml
 
+TWIN_ROWS = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
+
 
 def make_run(
     root: Path,
@@ -494,12 +496,16 @@ def test_seeds_of_different_lengths_are_pooled_and_said_so(tmp_path: Path) -> No
 
 def test_verdict_rule_by_hand() -> None:
     """A difference counts only above the larger std over >= 3 seeds; the twin decides 'holds' vs 'momentum'."""
-    from hafedho.report.tables.verdict import FAILS, HOLDS, TIE, TWIN_MATCHES, verdict
+    from hafedho.report.study import Study
+    from hafedho.report.tables.verdict import FAILS, HOLDS, MATCHES, TIE, matches_text, verdict
 
     own, base = Stat([0.80, 0.81, 0.82], 3), Stat([0.70, 0.71, 0.72], 3)  # std 0.01, gap 0.10
     assert verdict(own, base, None) == HOLDS and verdict(base, own, None) == FAILS
     assert verdict(own, base, Stat([0.60, 0.61, 0.62], 3)) == HOLDS
-    assert verdict(own, base, Stat([0.80, 0.805, 0.81], 3)) == TWIN_MATCHES
+    assert verdict(own, base, Stat([0.80, 0.805, 0.81], 3)) == MATCHES
+    twin = matches_text(Study.of({}))  # the default study's words: the paper's momentum twin
+    assert verdict(own, base, Stat([0.80, 0.805, 0.81], 3), twin) == twin
+    assert twin == "holds, but the twin matches it (the gain is server momentum)"
     assert verdict(own, Stat([0.70, 0.80, 0.90], 3), None) == TIE  # gap 0.01 < std 0.1
     assert verdict(Stat([0.9, 0.9], 2), base, None).startswith("not judged: 2 seeds")
 
@@ -517,7 +523,7 @@ def test_verdict_table_from_hand_made_runs(tmp_path: Path) -> None:
             entry = {"dir": name, "label": label, "seed": s, "point": {}, "reference": label == "centralized"}
             runs.append(entry)
     index = SweepIndex("t1", "cpu", "hand-made", [], [], {"last": 1})
-    index.runs, index.twins = [IndexEntry(**r) for r in runs], {"hafedho-twin": "hafedho"}  # as twin_of writes it
+    index.runs, index.derived = [IndexEntry(**r) for r in runs], TWIN_ROWS  # as twin_of writes it
     index.write(tmp_path)
     (section,) = load_sections(tmp_path)
     tables = {t.slug: t for t in section_tables(section)}
@@ -556,7 +562,7 @@ def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
     entries = [IndexEntry(**r) for r in runs]
     axes = ["dataset", "algorithm.name"]
     index = SweepIndex("t1", "cpu", "hand-made", axes, ["algorithm.name"], {"last": 2}, entries)
-    index.twins, index.notes = {"hafedho-twin": "hafedho"}, [note]
+    index.derived, index.notes = TWIN_ROWS, [note]
     index.write(tmp_path)
     files = write_report(tmp_path, tmp_path / "rep")
     (section,) = load_sections(tmp_path)
@@ -596,7 +602,7 @@ def test_momentum_twin_rows_split_by_beta_along_a_mu_axis(tmp_path: Path) -> Non
         ]
     axes = ["algorithm.name", "algorithm.hafedho.mu"]
     index = SweepIndex("f3", "cpu", "", axes, axes, {"last": 1})
-    index.runs, index.twins = [IndexEntry(**r) for r in runs], {"hafedho-twin": "hafedho"}
+    index.runs, index.derived = [IndexEntry(**r) for r in runs], TWIN_ROWS
     index.write(root)
     (section,) = load_sections(root)
     final = {r[0].text: r[2].text for r in section_tables(section)[0].rows}

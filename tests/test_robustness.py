@@ -39,8 +39,8 @@ def protocol_sweep(root: Path) -> None:
                 point = {"dataset": ds, "protocol": proto, "algorithm.name": alg}
                 runs.append(IndexEntry(name, label, seed, point))
     axes = ["dataset", "protocol", "algorithm.name"]
-    twins = {"hafedho-twin": "hafedho"}
-    SweepIndex("table1", "cpu", "hand-made", axes, ["algorithm.name"], {}, runs, twins=twins).write(root)
+    twins = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
+    SweepIndex("table1", "cpu", "hand-made", axes, ["algorithm.name"], {}, runs, derived=twins).write(root)
 
 
 def test_robust_rule() -> None:

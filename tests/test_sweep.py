@@ -140,7 +140,8 @@ def test_overrides_replace_axes_or_apply_to_all() -> None:
     assert all(s.name.endswith("-s0") for s in specs)
 
 
-TWIN = '\n[[variants]]\nlabel = "hafedho-twin"\ntwin_of = "hafedho"\n'
+TWIN = '\n[[variants]]\nlabel = "hafedho-twin"\nof = "hafedho"\nderive = "hafedho.paper.twin:momentum_twin"\n'
+TWIN_OF = '\n[[variants]]\nlabel = "hafedho-twin"\ntwin_of = "hafedho"\n'  # the sugar for TWIN
 
 
 def twin_preset(tmp: Path) -> Preset:
@@ -185,7 +186,8 @@ def test_momentum_twin_rows(tmp_path: Path) -> None:
     assert sum('mu_schedule = "inverse_round"' in n for n in notes) == 3  # phi only: "f" is named first
     assert "no hafedho-twin for hafedho [mu=0.4, accumulate=phi, mu_schedule=constant]" in "\n".join(notes)
     index = read_index(write_index(preset, specs, tmp_path / "runs"))
-    assert index.twins == {"hafedho-twin": "hafedho"} and index.notes == notes
+    assert index.derived == {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
+    assert index.notes == notes
     assert [e.label for e in index.runs if e.dir == shared.name] == ["hafedho-twin", "fedavgm"]
 
 
@@ -208,7 +210,7 @@ def test_a_twin_takes_hafedhos_weighting_and_server_step(tmp_path: Path) -> None
     assert other[1].cfg.algorithm["fedavgm"] == {"beta": 0.3, "server_lr": 2.0, "weighting": "data_size"}
     for bad in ('\n[[variants]]\nlabel = "t"\ntwin_of = "hafedho"\ncross = []\n', TWIN + TWIN):
         with pytest.raises(
-            ConfigError, match=r"variants\[[01]\]: (a twin variant takes only|twin_of = 'hafedho' is given)"
+            ConfigError, match=r"variants\[[01]\]: (a derived variant takes only|of = 'hafedho' is given twice)"
         ):
             expand(load_preset(str(tiny(tmp_path, extra=bad))))
 

@@ -9,12 +9,6 @@ from typing import Any
 from hafedho.report.runs import Group, Section, check_seeds
 from hafedho.report.stats import Stat
 
-TWIN_NAME = "FedAvgM, β = λμ"  # a momentum-twin row (ASCII: "FedAvgM, beta = lambda*mu"); docs/algorithms.md
-
-
-def twin_name(twin_of: str) -> str:
-    return TWIN_NAME if twin_of == "hafedho" else f"{TWIN_NAME} ({twin_of})"
-
 
 def fmt_value(v: Any) -> str:
     if isinstance(v, float):
@@ -118,13 +112,13 @@ class Layout:
     def is_reference(self, row: tuple[str, tuple]) -> bool:
         return any(g.reference for g in self.section.groups if self.row_key(g, self.row_hyper_keys) == row)
 
-    def is_twin(self, row: tuple[str, tuple]) -> bool:
-        return row[0] in self.section.twins
+    def is_derived(self, row: tuple[str, tuple]) -> bool:
+        return row[0] in self.section.derived
 
     def is_baseline(self, row: tuple[str, tuple]) -> bool:
-        """A competitor HaFedHo is judged against: no reference, no momentum twin, and no row that runs HaFedHo
-        itself (its hyperparameter splits, Proposition 1's ideal)."""
-        if self.is_reference(row) or self.is_twin(row):
+        """A competitor the study's own method is judged against: no reference, no derived row, and no row that
+        runs the own method itself (its hyperparameter splits, a variant of it under another label)."""
+        if self.is_reference(row) or self.is_derived(row):
             return False
         groups = [g for g in self.section.groups if g.runs and g.runs[0].config]
         algs = {
@@ -132,18 +126,17 @@ class Layout:
             for g in groups
             if self.row_key(g, self.row_hyper_keys) == row
         }
-        return "hafedho" not in algs
+        return self.section.study.own not in algs
 
     def row_name(self, row: tuple[str, tuple]) -> str:
-        """The label and its varying hyperparameters; a momentum twin reads ``FedAvgM, β = λμ = 0.5``. A label's
-        [report.names] entry, if any, replaces the label (e.g. converge's ``hafedho-exact``)."""
-        names = self.section.names()
-        label, twin = row[0], self.section.twins.get(row[0])
-        is_twin = twin is not None  # a twin shows its beta as "= 0.5" after its name
-        extra = " ".join(
-            f"= {fmt_value(v)}" if is_twin and k == "beta" else display(k, v, names, False) for k, v in row[1]
-        )
-        return f"{names.get(label, label if twin is None else twin_name(twin))} {extra}".strip()
+        """The label and its varying hyperparameters; a derived row reads ``[report.derived] name``, its ``value``
+        as ``= 0.5`` (the momentum twin: ``FedAvgM, β = λμ = 0.5``). A label's [report.names] entry, if any,
+        replaces the label (e.g. converge's ``hafedho-exact``)."""
+        names, study = self.section.names(), self.section.study
+        label, of = row[0], self.section.derived.get(row[0])
+        value = study.derived.value if of is not None else None  # shown as "= 0.5" after the derived row's name
+        extra = " ".join(f"= {fmt_value(v)}" if k == value else display(k, v, names, False) for k, v in row[1])
+        return f"{names.get(label, label if of is None else study.derived_name(of))} {extra}".strip()
 
     def col_name(self, col: dict[str, Any]) -> str:
         names = self.section.names()

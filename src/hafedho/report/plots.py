@@ -13,8 +13,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from hafedho.config import ClientsConfig
-from hafedho.report.layout import Layout, display, twin_name
+from hafedho.config import Config, flatten
+from hafedho.report.layout import Layout, display
 from hafedho.report.runs import Run
 from hafedho.report.stats import accuracy_stat
 
@@ -217,23 +217,40 @@ def versus_hyper(lay: Layout, label: str, key: str, out: str | Path) -> Path | N
 
 
 def twin_points(lay: Layout, label: str, key: str, col: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]:
-    """For a plot of ``label``'s mu: each momentum twin of ``label`` as points (mu = beta / lambda, mean, std) of
-    its final metric (%) in this column, by the twin's row name; {} for any other hyperparameter."""
+    """For a plot of ``label``'s ``[report.derived] plot_key``: each row derived from ``label`` as points (x = its
+    ``value`` / its config's ``divide_by``, mean, std) of its final metric (%) in this column, by the derived row's
+    name; {} for any other hyperparameter. The paper's: the momentum twin at mu = beta / lambda."""
     s = lay.section
-    if key.rsplit(".", 1)[-1] != "mu":
+    view = s.study.derived
+    if not view.plot_key or key.rsplit(".", 1)[-1] != view.plot_key:
         return {}
     out: dict[str, list[tuple[float, float, float]]] = {}
-    for twin in (t for t, of in s.twins.items() if of == label):
+    for twin in (t for t, of in s.derived.items() if of == label):
         pts = []
         for r in (r for r in lay.rows if r[0] == twin):
             g = lay.group_at(r, col)
             st = accuracy_stat(g, s.metric, s.last) if g is not None else None
-            if st is not None and st.n and _is_number(g.hyper.get("beta")):
-                lam = g.runs[0].config.get("clients", {}).get("local_steps", ClientsConfig().local_steps)
-                pts.append((float(g.hyper["beta"]) / lam, st.mean * 100, st.std * 100))
+            if st is not None and st.n and _is_number(g.hyper.get(view.value)):
+                pts.append((float(g.hyper[view.value]) / _config_value(g.runs[0].config, view.divide_by), *_pct(st)))
         if pts:
-            out[twin_name(label)] = sorted(pts)
+            out[s.study.derived_name(label)] = sorted(pts)
     return out
+
+
+def _pct(st: Any) -> tuple[float, float]:
+    return st.mean * 100, st.std * 100
+
+
+def _config_value(config: dict[str, Any], key: str) -> float:
+    """A run's config value at the dotted ``key`` (its default where the stored config leaves it out; 1 if none)."""
+    if not key:
+        return 1.0
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if value is None:
+        value = flatten(Config().to_dict()).get(key)
+    return float(value) if _is_number(value) else 1.0
 
 
 DIAGNOSTICS = (("diag/h_cos", "cos(h, target)"), ("diag/h_rel_err", "relative error of h / s"))

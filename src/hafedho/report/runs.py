@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from hafedho.config import (
-    RUNTIME_KEYS,
-    ConfigError,
-    canonical_json,
-    config_from_table,
-    experiment_identity,
-    flatten,
-)
+from hafedho.config import RUNTIME_KEYS, ConfigError, canonical_json, config_from_table, experiment_identity, flatten
 from hafedho.report.paths import relative_paths
+from hafedho.report.study import Study
 from hafedho.results import read_metrics, why_no_rows
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
 from hafedho.toml_io import read_toml
@@ -134,12 +129,17 @@ class Section:
     named_axes: set[str]
     groups: list[Group]
     failed: dict[str, str] = field(default_factory=dict)
-    twins: dict[str, str] = field(default_factory=dict)  # momentum-twin row label -> the row label it sits beside
-    notes: list[str] = field(default_factory=list)  # the sweep's lines for the tables (e.g. cells with no twin)
+    derived: dict[str, str] = field(default_factory=dict)  # a derived row's label -> the row label it sits beside
+    notes: list[str] = field(default_factory=list)  # the sweep's lines for the tables (e.g. cells with no derived run)
     left_out: dict[str, str] = field(default_factory=dict)  # run directories without a row -> why (status table)
 
     def names(self) -> dict[str, str]:
         return dict(self.report.get("names", {}))
+
+    @cached_property
+    def study(self) -> Study:
+        """Its method, reference and derived rows' reading (``report.study``: [report] over the defaults)."""
+        return Study.of(self.report)
 
 
 def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -271,7 +271,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
         named_axes={a for a in axes if "." not in a},
         groups=_group(runs),
         failed=index.failed,
-        twins=index.twins,
+        derived={label: d["of"] for label, d in index.derived.items()},
         notes=index.notes,
     )
     return section, used

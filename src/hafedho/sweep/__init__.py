@@ -16,10 +16,13 @@ A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
     cross = ["dataset"]          #   grid axes it is crossed with (the others do not apply to it)
     reference = true             #   shown, but never bold and never a competitor
     set = {...}                  #   its overrides
-    [[variants]]                 # HaFedHo's momentum twin beside every run of a row (docs/algorithms.md):
-    label = "hafedho-twin"       #   the twin's row label (reports name it "FedAvgM, β = λμ")
-    twin_of = "hafedho"          #   the row it follows; no other keys
-    [report]                     # how `hafedho report` shows it (metric, last, targets, names, title)
+    [[variants]]                 # a derived row: one run beside every run of another row, e.g. HaFedHo's twin
+    label = "hafedho-twin"       #   its row label
+    of = "hafedho"               #   the row it follows (its label); no other keys but derive
+    derive = "hafedho.paper.twin:momentum_twin"  # a function cfg -> (the [algorithm] table, or None, and why not)
+                                 #   (twin_of = "ROW" instead of of + derive: the paper's momentum twin)
+    [report]                     # how `hafedho report` shows it (metric, last, targets, names, title; the study:
+                                 #   own, reference, derived rows' reading: hafedho.report.study)
     [scale.cpu] / [scale.full]   # a partial preset merged over this one for --scale (cpu is the default);
                                  # its [grid] replaces the axes it names
 
@@ -27,15 +30,17 @@ One run's config: base < named-axis bundles < config-key axes < variant ``set`` 
 then ``seed``, ``name`` and ``out`` are set, and only the selected algorithm's ``[algorithm.NAME]`` table is kept
 (``hafedho.algorithms.applicable``; the others never apply to the run).
 
-A twin variant adds, right after every run of the row ``twin_of`` names (its label, so a HaFedHo variant with
-another label gets none), one ``fedavgm`` run with that run's config and seed and ``[algorithm]`` replaced by
-``beta = lambda*mu`` (lambda = its ``clients.local_steps``, mu = its resolved ``algorithm.hafedho.mu``, so dataset
-bundles and a mu axis are followed), ``weighting`` = its ``aggregation`` ("uniform" by default), ``server_lr`` =
-eta / lr (1 by default) and the same ``lr`` (``expand.momentum_twin``). It has the HaFedHo run's grid point, is
-named as any fedavgm run (``fedavgm-SOURCE-HASH-sSEED``), so an identical fedavgm run elsewhere is the same
-directory (within a preset it is listed under both row labels), and exists only for accumulate = "phi",
-mu_schedule = "constant", local_epochs = 0, lambda*mu < 1 and no other HaFedHo setting changed: elsewhere the
-sweep index's ``notes`` say why there is none, and the report shows them under the final table.
+A derived variant adds, right after every run of the row ``of`` names (its label, so a variant of that algorithm
+with another label gets none), one run with that run's config and seed and ``[algorithm]`` replaced by what
+``derive(cfg)`` returns (the function is named by reference, ``hafedho.core.refs``, and receives the run's
+validated config). It has its row's grid point and is named as any run of its algorithm (``ALG-SOURCE-HASH-sSEED``),
+so an identical run elsewhere is the same directory (within a preset it is listed under both row labels). Where
+``derive`` returns None, the sweep index's ``notes`` say why there is none, and the report shows them under the
+final table. The paper's momentum twin (``hafedho.paper.twin.momentum_twin``) is FedAvgM with ``beta =
+lambda*mu`` (lambda = the run's ``clients.local_steps``, mu = its resolved ``algorithm.hafedho.mu``, so dataset
+bundles and a mu axis are followed), ``weighting`` = its ``aggregation``, ``server_lr`` = eta / lr and the same
+``lr``; it exists only for accumulate = "phi", mu_schedule = "constant", local_epochs = 0, lambda*mu < 1 and no
+other HaFedHo setting changed (docs/algorithms.md, "HaFedHo's momentum twin").
 
 Run directories are ``OUT/LABEL-SOURCE-HASH-sSEED``, the name ``hafedho run`` gives (``Config.run_name`` with
 ``name = LABEL-SOURCE``; LABEL is the algorithm, or a variant's label): HASH is the experiment's identity

@@ -1,21 +1,22 @@
 """Expansion: a preset's grid points and variants x seeds -> validated run specs, named as `hafedho run` would.
 
-A variant with ``twin_of`` adds HaFedHo's momentum twin beside every run of that row (``momentum_twin``; the
-derivation is docs/algorithms.md, "HaFedHo's momentum twin")."""
+A variant with ``derive`` (a ``"package.module:function"`` reference, ``hafedho.core.refs``) and ``of`` (a row label)
+adds one run derived from every run of that row, right beside it: ``function(cfg)`` gives the derived run's
+``[algorithm]`` table, or None and why it has none (the paper's momentum twin is one: ``hafedho.paper.twin``)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hafedho.config import Config, ConfigError, config_from_table
-from hafedho.core.refs import file_name
-from hafedho.sweep.presets import Preset, is_config_key, nest, nest_bundle
+from hafedho.core.refs import file_name, import_reference
+from hafedho.sweep.presets import Preset, derived_row, is_config_key, is_derived, nest, nest_bundle
 from hafedho.toml_io import deep_merge, parse_override
 
 
@@ -30,7 +31,7 @@ class RunSpec:
     cfg: Config
     reference: bool = False
     aliases: list[str] = dataclasses.field(default_factory=list)  # other row labels this same run stands for
-    note: str = ""  # a HaFedHo run without a twin: why (shown under the report's tables)
+    note: str = ""  # a run of a row with a derived row but no derived run: why (shown under the report's tables)
     rounds: int = 0  # the horizon its own point asks for (cfg.rounds is the largest over its views)
     views: list[tuple[dict[str, Any], int]] = dataclasses.field(default_factory=list)  # other (point, horizon)
 
@@ -142,15 +143,17 @@ def expand(
     points: list[tuple[str | None, dict[str, Any], dict[str, Any], bool]] = []
     for values in itertools.product(*grid.values()):
         points.append((None, dict(zip(grid, values, strict=True)), {}, False))
-    twins: dict[str, str] = {}  # twin_of -> the twin's label
+    derived: dict[str, tuple[str, Derive]] = {}  # of -> (the derived row's label, its function)
     for i, var in enumerate(preset.table.get("variants", [])):
         where = f"{preset.path}: variants[{i}]"
-        if "twin_of" in var:
-            _twin_variant(var, where, twins)
+        if is_derived(var):
+            _derived_variant(var, where, derived)
             continue
         unknown = sorted(set(var) - {"label", "cross", "reference", "set"})
         if unknown or not isinstance(var.get("label"), str):
-            raise ConfigError(f"{where}: needs label = '...'; allowed keys: label, cross, reference, set (or twin_of)")
+            raise ConfigError(
+                f"{where}: needs label = '...'; allowed keys: label, cross, reference, set (or of and derive)"
+            )
         cross = var.get("cross", [])
         missing = [a for a in cross if a not in grid]
         if missing:
@@ -165,14 +168,14 @@ def expand(
         for seed in range(n_seeds):
             table = {**base, "seed": seed}
             spec = _add(specs, _spec(preset, label, point, table, out, reference))
-            if spec.label in twins:  # the twin right after its HaFedHo run: beside it in every listing
-                twin_alg, why = momentum_twin(spec.cfg)
-                if twin_alg is None:
+            if spec.label in derived:  # the derived run right after its row's run: beside it in every listing
+                row, derive = derived[spec.label]
+                alg, why = derive(spec.cfg)
+                if alg is None:
                     inner = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items() if k != "algorithm.name")
-                    spec.note = f"no {twins[spec.label]} for {spec.label} [{inner}]: {why}"
+                    spec.note = f"no {row} for {spec.label} [{inner}]: {why}"
                     continue
-                twin = _spec(preset, twins[spec.label], point, {**table, "algorithm": twin_alg}, out, False, "fedavgm")
-                _add(specs, twin)
+                _add(specs, _spec(preset, row, point, {**table, "algorithm": alg}, out, False, str(alg["name"])))
     return list(specs.values())
 
 
@@ -186,7 +189,7 @@ def _spec(
     prefix: str | None = None,
 ) -> RunSpec:
     """One run: its validated config, named ``PREFIX-SOURCE-HASH-sSEED``; PREFIX is the row label unless given
-    (a twin is named as any fedavgm run, so an identical fedavgm run elsewhere is the same directory)."""
+    (a derived run is named as any run of its algorithm, so an identical run elsewhere is the same directory)."""
     try:
         cfg = config_from_table(table)
     except ConfigError as e:
@@ -218,49 +221,26 @@ def _add(specs: dict[str, RunSpec], spec: RunSpec) -> RunSpec:
     return first
 
 
-def _twin_variant(var: dict[str, Any], where: str, twins: dict[str, str]) -> None:
-    unknown = sorted(set(var) - {"label", "twin_of"})
-    if unknown or not isinstance(var.get("label"), str) or not isinstance(var["twin_of"], str):
-        raise ConfigError(f"{where}: a twin variant takes only label = '...' and twin_of = '<row label>'")
-    if var["twin_of"] in twins:
-        raise ConfigError(f"{where}: twin_of = {var['twin_of']!r} is given twice; keep one twin variant per row")
-    twins[var["twin_of"]] = var["label"]
+Derive = Callable[[Config], tuple[dict[str, Any] | None, str]]
 
 
-# HaFedHo's settings the twin covers; any other one away from its default (e.g. an option added later) has no twin.
-_TWIN_COVERS = {"lr", "mu", "eta", "accumulate", "aggregation", "self_correction", "mu_schedule"}
-
-
-def momentum_twin(cfg: Config) -> tuple[dict[str, Any] | None, str]:
-    """The ``[algorithm]`` table of a HaFedHo run's momentum twin, or None and why it has none.
-
-    With accumulate = "phi" the uploads obey g^t = G^t + lambda*mu*g^{t-1} (exactly without self-correction), the
-    heavy-ball recursion of FedAvgM with beta = lambda*mu (lambda = clients.local_steps, mu = the resolved
-    algorithm.hafedho.mu), server_lr = eta / eta_l (1 when eta is unset, its default), the same local lr, and
-    FedAvgM's weighting = HaFedHo's aggregation ("uniform" -> "uniform", "data_size" -> "data_size": HaFedHo's
-    data-size aggregate is the |D_i|-weighted mean FedAvgM's "data_size" forms). beta is lambda*mu rounded to 12
-    significant digits (10 * 0.05 reads 0.5). Defined only for accumulate = "phi", mu_schedule = "constant",
-    fixed local_steps (local_epochs = 0) and lambda*mu < 1; see docs/algorithms.md.
-    """
-    alg = cfg.selected_algorithm()
-    if alg.name != "hafedho":
-        return None, f"a {alg.name} run has no momentum twin (only hafedho runs do)"
-    if alg.accumulate != "phi":
-        return None, f'gradient rectification (accumulate = "{alg.accumulate}")'
-    if alg.mu_schedule != "constant":
-        return None, f'mu_schedule = "{alg.mu_schedule}": the factor lambda*mu_t changes every round'
-    if cfg.clients.local_epochs > 0:
-        return None, f"clients.local_epochs = {cfg.clients.local_epochs}: lambda differs from client to client"
-    for f in dataclasses.fields(alg):
-        if f.name not in _TWIN_COVERS and getattr(alg, f.name) != f.default:
-            return None, f"{f.name} = {getattr(alg, f.name)!r} is not plain HaFedHo"
-    lam = cfg.clients.local_steps
-    beta = float(f"{lam * alg.mu:.12g}")
-    if beta >= 1:
-        return None, f"lambda*mu = {lam}*{alg.mu:g} = {beta:g} >= 1: no heavy-ball twin (FedAvgM needs beta < 1)"
-    eta = alg.lr if alg.eta is None else alg.eta
-    settings = {"beta": beta, "server_lr": eta / alg.lr, "weighting": alg.aggregation}
-    return {"name": "fedavgm", "lr": alg.lr, "fedavgm": settings}, ""
+def _derived_variant(var: dict[str, Any], where: str, derived: dict[str, tuple[str, Derive]]) -> None:
+    """Check a derived variant (``label``, ``of``, ``derive``; or ``label`` and the sugar ``twin_of``) and resolve
+    its function by reference."""
+    keys = {"label", "twin_of"} if "twin_of" in var else {"label", "of", "derive"}
+    unknown = sorted(set(var) - keys)
+    if unknown or set(var) != keys or not all(isinstance(var[k], str) for k in keys):
+        raise ConfigError(
+            f"{where}: a derived variant takes only label = '...', of = '<row label>' and "
+            "derive = 'package.module:function' (or label and twin_of = '<row label>')"
+        )
+    row = derived_row(var)
+    if row["of"] in derived:
+        raise ConfigError(f"{where}: of = {row['of']!r} is given twice; keep one derived variant per row")
+    fn = import_reference(f"{where}: derive", row["derive"], ConfigError)
+    if not callable(fn):
+        raise ConfigError(f"{where}: derive = {row['derive']!r} is not a function of the run's config")
+    derived[row["of"]] = (var["label"], fn)  # type: ignore[assignment]
 
 
 def _point_text(label: str | None, point: dict[str, Any]) -> str:

@@ -3,8 +3,10 @@
 This module is the one owner of the format: ``hafedho sweep`` writes it (``write_index``), the report reads it
 (``read_index``, ``find_indexes``). An index names each run's directory (relative to the folder that holds
 ``sweeps/``), its row label, grid point, seed and whether it is a reference, plus the preset's axes, the axes that
-are rows, its ``[report]`` settings, the runs that failed in the latest sweep, its momentum-twin rows (twin label ->
-the label it sits beside) and notes for the report (e.g. why a HaFedHo cell has no twin).
+are rows, its ``[report]`` settings, the runs that failed in the latest sweep, its derived rows (label -> the row it
+sits beside and the function's reference) and notes for the report (e.g. why a cell has no derived run). An
+index written before derived rows had a reference lists them as ``twins`` (label -> row); they read as
+``twin_of``'s function.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hafedho.results import write_json
-from hafedho.sweep.presets import Preset, row_axes
+from hafedho.sweep.presets import TWIN_OF_DERIVE, Preset, row_axes
 from hafedho.toml_io import parse_override
 
 if TYPE_CHECKING:  # a type only: the report reads indexes without loading the expansion
@@ -48,7 +50,7 @@ class SweepIndex:
     report: dict[str, Any] = field(default_factory=dict)
     runs: list[IndexEntry] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # run directory name -> its one-line failure
-    twins: dict[str, str] = field(default_factory=dict)  # momentum-twin row label -> the row label it sits beside
+    derived: dict[str, dict[str, str]] = field(default_factory=dict)  # label -> {"of": row label, "derive": ref}
     notes: list[str] = field(default_factory=list)  # lines shown under the section's tables
 
     def write(self, out: str | Path) -> Path:
@@ -95,7 +97,7 @@ def read_index(path: Path) -> SweepIndex:
             for e in data.get("runs", [])
         ],
         failed=dict(data.get("failed", {})),
-        twins=dict(data.get("twins", {})),
+        derived=_derived(data),
         notes=list(data.get("notes", [])),
     )
 
@@ -118,9 +120,16 @@ def changing_overrides(preset: Preset, overrides: Iterable[str]) -> list[str]:
     return changing
 
 
+def _derived(data: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The index's derived rows; an old index's ``twins`` (label -> row) as ``twin_of`` wrote them."""
+    if "derived" in data:
+        return {str(k): {"of": str(v["of"]), "derive": str(v["derive"])} for k, v in data["derived"].items()}
+    return {str(k): {"of": str(v), "derive": TWIN_OF_DERIVE} for k, v in data.get("twins", {}).items()}
+
+
 def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: dict[str, str] | None = None) -> Path:
     """``OUT/sweeps/PRESET.json``: the preset's runs (label, grid point, seed, horizon; a run that stands for several
-    rows or points, once per row label and point), report settings, twin rows and notes."""
+    rows or points, once per row label and point), report settings, derived rows and notes."""
     index = SweepIndex(
         preset=preset.name,
         scale=preset.scale,
@@ -135,7 +144,7 @@ def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: d
             for lab in (s.label, *s.aliases)
         ],
         failed=failed or {},
-        twins=preset.twins,
+        derived=preset.derived,
         notes=list(dict.fromkeys(s.note for s in specs if s.note)),  # one line per cell, not per seed
     )
     return index.write(out)

@@ -48,13 +48,31 @@ class Preset:
         return self.table.get("grid", {})
 
     @property
-    def twins(self) -> dict[str, str]:
-        """Its momentum-twin rows (``[[variants]]`` with ``twin_of``): twin label -> the label it sits beside."""
-        return {str(v["label"]): str(v["twin_of"]) for v in self.table.get("variants", []) if "twin_of" in v}
+    def derived(self) -> dict[str, dict[str, str]]:
+        """Its derived rows (``[[variants]]`` with ``derive``, or the sugar ``twin_of``): label -> ``{"of": the row
+        label it sits beside, "derive": the function's reference}``."""
+        return {str(v["label"]): derived_row(v) for v in self.table.get("variants", []) if is_derived(v)}
 
     @property
     def report(self) -> dict[str, Any]:
         return self.table.get("report", {})
+
+
+# ``twin_of = ROW`` is sugar for ``of = ROW`` with this ``derive`` (the paper's momentum twin); an index written
+# before derived rows had a reference lists its rows under ``twins`` and means the same function.
+TWIN_OF_DERIVE = "hafedho.paper.twin:momentum_twin"
+
+
+def is_derived(variant: dict[str, Any]) -> bool:
+    """A ``[[variants]]`` row derived from another row's runs (``derive``, or ``twin_of``)."""
+    return "derive" in variant or "twin_of" in variant
+
+
+def derived_row(variant: dict[str, Any]) -> dict[str, str]:
+    """``{"of": ..., "derive": ...}`` of a derived variant (``twin_of`` read as its sugar)."""
+    if "twin_of" in variant:
+        return {"of": str(variant["twin_of"]), "derive": TWIN_OF_DERIVE}
+    return {"of": str(variant.get("of")), "derive": str(variant["derive"])}
 
 
 def list_presets(folder: Path = PRESET_DIR) -> list[str]:

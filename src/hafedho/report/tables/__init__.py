@@ -1,32 +1,37 @@
 """Every table of a section: one module per table kind, and the registry that orders them.
 
 A new table is one module with a builder ``Layout -> list[Table]`` plus one line in ``TABLES``; a preset's
-``[report] tables = [...]`` names the kinds it wants first. The run-status table always comes last.
+``[report] tables = [...]`` names the kinds it wants first, or a builder of one's own by reference
+(``"my_pkg.tables:mine"``, ``hafedho.core.refs``). A ``TABLES`` entry may be such a reference too, imported on
+demand: the HaFedHo study's diagnostics tables live in ``hafedho.paper``. The run-status table always comes last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from hafedho.config import ConfigError
+from hafedho.core.refs import import_reference, is_reference
 from hafedho.report.layout import Layout
 from hafedho.report.runs import Section
 from hafedho.report.table import Table
 from hafedho.report.tables.best_hyper import best_hyper_table
-from hafedho.report.tables.diagnostics import diagnostics_table
 from hafedho.report.tables.final import accuracy_tables
 from hafedho.report.tables.robustness import robustness_table
 from hafedho.report.tables.rounds import rounds_tables
 from hafedho.report.tables.status import status_table
 from hafedho.report.tables.verdict import verdict_table
 
-# kind -> builder, in the default order
-TABLES: dict[str, Callable[[Layout], list[Table]]] = {
+Builder = Callable[[Layout], list[Table]]
+
+# kind -> builder (or its reference), in the default order
+TABLES: dict[str, Builder | str] = {
     "final": accuracy_tables,
     "rounds": rounds_tables,
     "best_hyper": best_hyper_table,
     "verdict": verdict_table,
     "robustness": robustness_table,  # only where a preset runs several protocols (a `protocol` axis)
-    "diagnostics": diagnostics_table,  # only where runs logged [diagnostics]
+    "diagnostics": "hafedho.paper.diagnostics:diagnostics_table",  # only where runs logged HaFedHo's [diagnostics]
 }
 
 
@@ -39,6 +44,16 @@ def section_tables(section: Section) -> list[Table]:
     order += [k for k in TABLES if k not in order]
     out: list[Table] = []
     for key in order:
-        if key in TABLES:
-            out += TABLES[key](lay)
+        if key in TABLES or is_reference(key):
+            out += builder(TABLES.get(key, key))(lay)
     return [*out, status_table(section)]
+
+
+def builder(entry: Builder | str) -> Builder:
+    """A ``TABLES`` entry or a ``[report] tables`` reference as the builder it names."""
+    if not isinstance(entry, str):
+        return entry
+    fn = import_reference("report.tables", entry, ConfigError)
+    if not callable(fn):
+        raise ConfigError(f"report.tables: {entry!r} is not a table builder (Layout -> list[Table])")
+    return fn  # type: ignore[return-value]

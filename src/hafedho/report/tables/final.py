@@ -1,4 +1,5 @@
-"""The final and best accuracy tables: mean ± std over seeds, the best competitor bold, HaFedHo's lead."""
+"""The final and best accuracy tables: mean ± std over seeds, the best competitor bold, the own method's lead
+(``[report] own``, ``report.study``: the paper's, HaFedHo's lead over the best baseline and over its twin)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 from typing import Any
 
 from hafedho.config import ConfigError
-from hafedho.report.layout import TWIN_NAME, Layout, pct
+from hafedho.report.layout import Layout, pct
 from hafedho.report.runs import Group, Section
 from hafedho.report.stats import FLAT_SLOPE, FLAT_WINDOW, Stat, accuracy_stat, horizon_note, no_data_note, trend
 from hafedho.report.table import Cell, Table
@@ -53,13 +54,13 @@ FLAT_NOTE = (
 
 def accuracy_tables(lay: Layout) -> list[Table]:
     """Final and best accuracy: rows x columns, mean ± std over seeds, best competitor per column in bold,
-    and HaFedHo's lead over the best baseline. With a single column, one table with a seeds column."""
+    and the own method's lead over the best baseline. With a single column, one table with a seeds column."""
     s = lay.section
     what = f"{s.metric_label} (%), mean ± std over seeds"
     for extra in (no_data_note(s), horizon_note(s)):
         what += f"; {extra}" if extra else ""
     final_def = f"final = mean of the last {s.last} evaluations"
-    twin_note = _twin_note(lay)
+    twin_note = _derived_note(lay)
     flat = _flattened(s)
     if len(lay.columns) == 1:
         col = lay.columns[0]
@@ -134,30 +135,30 @@ def _best(stats: dict, lay: Layout, key: Any) -> set:
     return {r for v, r in cands if v == top}
 
 
-def _twin_note(lay: Layout) -> str:
-    """What a momentum-twin row is, and the sweep's notes (e.g. the cells that have no twin, and why); '' if none."""
+def _derived_note(lay: Layout) -> str:
+    """What a derived row is (``[report.derived] note``), and the sweep's notes (e.g. the cells that have no derived
+    run, and why); '' if none."""
     s = lay.section
+    derived = s.study.derived
     lines = []
-    if any(lay.is_twin(r) for r in lay.rows):
-        lines.append(
-            f"{TWIN_NAME}: HaFedHo's momentum twin, FedAvgM with beta = lambda*mu of the HaFedHo run beside it, "
-            "uniform weights, server_lr 1 and the same local lr (docs/algorithms.md, HaFedHo's momentum twin)"
-        )
+    if derived.note and any(lay.is_derived(r) for r in lay.rows):
+        lines.append(f"{derived.name}: {derived.note}")
     return "".join(f"\n{line}" for line in [*lines, *s.notes])
 
 
 def _lead_rows(lay: Layout, cols: list[dict[str, Any]], kind: str) -> list[list[Cell]]:
-    """HaFedHo minus the best baseline (``Layout.is_baseline``), and minus its twin, in percentage points, when both
-    exist."""
-    own = ("hafedho", ())
-    if own not in lay.rows:
+    """Own minus the best baseline (``Layout.is_baseline``), and minus its derived row, in percentage points, when
+    both exist."""
+    study = lay.section.study
+    own = (study.own, ())
+    if not study.own or own not in lay.rows:
         return []
     baselines = [r for r in lay.rows if lay.is_baseline(r)]
-    twins = [r for r in lay.rows if lay.section.twins.get(r[0]) == "hafedho" and not lay.is_reference(r)]
+    twins = [r for r in lay.rows if lay.section.derived.get(r[0]) == study.own and not lay.is_reference(r)]
     out = []
     for name, against in (
-        ("HaFedHo lead over best baseline (pp)", baselines),
-        ("HaFedHo lead over its twin (pp)", twins),
+        (f"{study.own_name} lead over best baseline (pp)", baselines),
+        (f"{study.own_name} lead over its {study.derived.noun} (pp)", twins),
     ):
         out += _lead_row(lay, cols, kind, name, own, against)
     return out

@@ -7,8 +7,10 @@ setting under each protocol. Per setting (the layout's column minus ``protocol``
     holds in every protocol column                   -> "holds (robust)"
     anything else (another verdict, or not run yet)  -> "not robust: holds under main; tie under head; ..."
 
-plus, per protocol, the twin's share of HaFedHo's gain over FedAvg, (twin - FedAvg) / (HaFedHo - FedAvg), from
-the final means (only where HaFedHo beats FedAvg's mean). A last row counts the robust settings.
+plus, per protocol, the derived row's share of own's gain over the reference (``[report] own``, ``reference``,
+``report.study``; the paper's: the twin's share of HaFedHo's gain over FedAvg), (derived - reference) /
+(own - reference), from the final means (only where own beats the reference's mean). A last row counts the robust
+settings.
 """
 
 from __future__ import annotations
@@ -32,21 +34,23 @@ def robust_verdict(verdicts: dict[str, str]) -> str:
 
 
 def twin_share(lay: Layout, col: dict[str, Any]) -> str:
-    """(twin - FedAvg) / (HaFedHo - FedAvg) in this column, as a percentage; why not where it is undefined."""
+    """(derived - reference) / (own - reference) in this column, as a percentage; why not where it is undefined."""
+    study = lay.section.study
     j = judge(lay, col)
-    fedavg = best_of(lay, "fedavg", col)
-    if j is None or j.twin is None or fedavg is None or not fedavg.n:
+    ref = best_of(lay, study.reference, col) if study.reference else None
+    if j is None or j.twin is None or ref is None or not ref.n:
         return "—"
-    gain = j.own.mean - fedavg.mean
+    gain = j.own.mean - ref.mean
     if gain <= 0:
-        return "n/a (HaFedHo ≤ FedAvg)"
-    return f"{100 * (j.twin.mean - fedavg.mean) / gain:.0f}%"
+        return f"n/a ({study.own_name} ≤ {study.reference_name})"
+    return f"{100 * (j.twin.mean - ref.mean) / gain:.0f}%"
 
 
 def robustness_table(lay: Layout) -> list[Table]:
     """One row per setting of a section run under several protocols; none for a section without that axis."""
     s = lay.section
-    if AXIS not in lay.col_keys or "hafedho" not in {r[0] for r in lay.rows}:
+    study = s.study
+    if AXIS not in lay.col_keys or not study.own or study.own not in {r[0] for r in lay.rows}:
         return []
     protocols = list(dict.fromkeys(str(g.setting[AXIS]) for g in s.groups if g.setting.get(AXIS) is not None))
     names = s.names()
@@ -67,10 +71,11 @@ def robustness_table(lay: Layout) -> list[Table]:
     rows.append(
         [Cell("all settings"), *(Cell("") for _ in range(2 * len(heads))), Cell(f"{ROBUST} in {robust} of {len(rows)}")]
     )
-    header = ["setting", *heads, *(f"twin share, {h}" for h in heads), "across protocols"]
+    noun, own, ref = study.derived.noun, study.own_name, study.reference_name
+    header = ["setting", *heads, *(f"{noun} share, {h}" for h in heads), "across protocols"]
     note = (
         f"the verdict table's rule (>= {MIN_SEEDS} seeds, a difference beyond the larger std) under each protocol; "
-        f'"{ROBUST}" only where it holds under every one; twin share = (twin - FedAvg) / (HaFedHo - FedAvg) of the '
-        "final means: how much of HaFedHo's gain over FedAvg server momentum alone gives"
+        f'"{ROBUST}" only where it holds under every one; {noun} share = ({noun} - {ref}) / ({own} - {ref}) of the '
+        f"final means: how much of {own}'s gain over {ref} {study.derived.share}"
     )
     return [Table("robustness", f"Robustness: {s.title}", header, rows, note)]

@@ -12,7 +12,8 @@ from hafedho.report.table import Cell, Table
 
 def targets_for(lay: Layout, col: dict[str, Any]) -> tuple[list[float], str]:
     """The column's targets: ``[report] targets`` (a list, or a table keyed by a setting value such as the
-    dataset, or data.source), else ``auto_targets`` fractions of ``auto_reference``'s final value."""
+    dataset, or data.source), else ``auto_targets`` fractions of ``auto_reference``'s final value (default: the
+    study's ``reference``, ``report.study``; the best finished row where that has none)."""
     s = lay.section
     spec = s.report.get("targets")
     if isinstance(spec, list):
@@ -26,7 +27,7 @@ def targets_for(lay: Layout, col: dict[str, Any]) -> tuple[list[float], str]:
             if k in spec:
                 return sorted(float(t) for t in spec[k]), "targets from the preset"
     fractions = [float(f) for f in s.report.get("auto_targets", [0.8, 0.9, 1.0])]
-    ref_label = s.report.get("auto_reference", "fedavg")
+    ref_label = s.report.get("auto_reference", s.study.reference)
     ref = next((g for g in groups if g.label == ref_label and not g.reference), None)
     stats = {id(g): accuracy_stat(g, s.metric, s.last) for g in groups}
     if ref is None or not math.isfinite(stats[id(ref)].mean):

@@ -1,17 +1,18 @@
-"""The verdict table: per column, HaFedHo against the best baseline and its momentum twin, with one plain verdict.
+"""The verdict table: per column, the study's own method (``[report] own``, ``report.study``) against the best
+baseline and its derived row, with one plain verdict.
 
 The rule (docs/results/README.md states it): a difference counts only when it exceeds the larger of the two
 standard deviations over at least ``MIN_SEEDS`` seeds. Then
 
-    HaFedHo beats the best baseline, and also its twin (or no twin exists)  -> "holds"
-    HaFedHo beats the best baseline, but not its twin                       -> "holds, but the twin matches it
-                                                                               (the gain is server momentum)"
+    own beats the best baseline, and also its derived row (or none exists)  -> "holds"
+    own beats the best baseline, but not its derived row                    -> "holds, but the NOUN matches it
+                                                                               (MATCHES)" (``[report.derived]``)
     no difference counts                                                    -> "tie"
-    the best baseline beats HaFedHo                                         -> "does not hold"
+    the best baseline beats own                                             -> "does not hold"
 
-Baselines are the layout's (``Layout.is_baseline``: no reference, no momentum twin, no row running HaFedHo, such
-as Proposition 1's ideal); the twin is the row the sweep made with ``twin_of = "hafedho"``. A label split into
-several rows by a hyperparameter (fig3's mu) counts with its best row.
+Baselines are the layout's (``Layout.is_baseline``: no reference, no derived row, no row running the own method
+under another label); the derived row is the one the sweep made with ``of = OWN``. A label split into several
+rows by a hyperparameter (fig3's mu) counts with its best row. The paper's study: HaFedHo and its momentum twin.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from dataclasses import dataclass
 
 from hafedho.report.layout import Layout, pct
 from hafedho.report.stats import Stat, accuracy_stat
+from hafedho.report.study import Study
 from hafedho.report.table import Cell, Table
 
 MIN_SEEDS = 3
-OWN = "hafedho"
 
 HOLDS = "holds"
-TWIN_MATCHES = "holds, but the twin matches it (the gain is server momentum)"
+MATCHES = "holds, but the derived row matches it"
 TIE = "tie"
 FAILS = "does not hold"
 
@@ -37,21 +38,27 @@ def beats(a: Stat, b: Stat) -> bool:
     return a.mean - b.mean > max(a.std, b.std)
 
 
-def verdict(own: Stat, baseline: Stat, twin: Stat | None) -> str:
-    """The plain verdict of the module docstring; too few seeds on either side is said, never judged."""
+def matches_text(study: Study) -> str:
+    """The verdict where own beats the best baseline but not its derived row, in the study's words."""
+    return f"holds, but the {study.derived.noun} matches it ({study.derived.matches})"
+
+
+def verdict(own: Stat, baseline: Stat, twin: Stat | None, matches: str = MATCHES) -> str:
+    """The plain verdict of the module docstring (``matches`` where the derived row ``twin`` matches own); too
+    few seeds on either side is said, never judged."""
     n = min(own.n, baseline.n)
     if n < MIN_SEEDS:
         return f"not judged: {n} seed{'s' if n != 1 else ''} (needs {MIN_SEEDS})"
     if beats(own, baseline):
         if twin is not None and twin.n >= MIN_SEEDS and not beats(own, twin):
-            return TWIN_MATCHES
+            return matches
         return HOLDS
     return FAILS if beats(baseline, own) else TIE
 
 
 @dataclass
 class Judged:
-    """One column's verdict and what it compares: HaFedHo, the best baseline (and its label), the twin."""
+    """One column's verdict and what it compares: own, the best baseline (and its label), the derived row."""
 
     own: Stat
     base: Stat
@@ -61,28 +68,29 @@ class Judged:
 
 
 def judge(lay: Layout, col: dict) -> Judged | None:
-    """The verdict of one column of the layout; None where HaFedHo or every baseline has no finished seed."""
+    """The verdict of one column of the layout; None where own or every baseline has no finished seed."""
     s = lay.section
     labels = {r[0] for r in lay.rows}
     base_labels = {r[0] for r in lay.rows if lay.is_baseline(r)}
-    twin_label = next((t for t, of in s.twins.items() if of == OWN), None)
+    twin_label = next((t for t, of in s.derived.items() if of == s.study.own), None)
     best = {lab: best_of(lay, lab, col) for lab in labels}
-    own = best.get(OWN)
+    own = best.get(s.study.own)
     baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n]
     if own is None or not own.n or not baselines:
         return None
     base, base_label = max(baselines, key=lambda t: t[0].mean)
     twin = best.get(twin_label) if twin_label is not None else None
     twin = twin if twin is not None and twin.n else None
-    return Judged(own, base, base_label, twin, verdict(own, base, twin))
+    return Judged(own, base, base_label, twin, verdict(own, base, twin, matches_text(s.study)))
 
 
 def verdict_table(lay: Layout) -> list[Table]:
-    """One row per column of the layout where HaFedHo and a baseline both have finished seeds."""
+    """One row per column of the layout where own and a baseline both have finished seeds."""
     s = lay.section
-    if OWN not in {r[0] for r in lay.rows}:
+    study = s.study
+    if not study.own or study.own not in {r[0] for r in lay.rows}:
         return []
-    header = ["setting", "HaFedHo", "best baseline", "twin (FedAvgM, β = λμ)", "verdict"]
+    header = ["setting", study.own_name, "best baseline", f"{study.derived.noun} ({study.derived.name})", "verdict"]
     rows = []
     for col in lay.columns:
         j = judge(lay, col)

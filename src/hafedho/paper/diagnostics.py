@@ -1,4 +1,7 @@
-"""The ``[diagnostics]`` table (Theorem 1 measured): does the estimation error of h decay toward zero?"""
+"""HaFedHo's ``[diagnostics]`` tables (Theorem 1 measured): does the estimation error of h decay toward zero?
+
+A report table of the study (``Layout -> list[Table]``), named in ``hafedho.report.tables.TABLES`` by reference
+(``"diagnostics"``), as any table of one's own can be in ``[report] tables``."""
 
 from __future__ import annotations
 
