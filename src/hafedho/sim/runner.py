@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from hafedho.engine_registry import engine_for
 from hafedho.experiment import Experiment
-from hafedho.results import RunDirError, read_metrics
+from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
 from hafedho.runtime.rundir import RunDir
 from hafedho.runtime.store import ClientStore
