@@ -23,7 +23,7 @@ def run_smoke(out: Path, *args: str) -> int:
     return main(["run", "smoke", "--out", str(out), "--quiet", *args])
 
 
-# What every metrics row has beside its round (hafedho.results.REQUIRED_KEYS), for rows written by hand.
+# What every metrics row has beside its round (hafedho.runfiles.REQUIRED_KEYS), for rows written by hand.
 BASE = {"cohort_size": 3, "wall_s": 0.1, "bytes_up": 8, "bytes_down": 8}
 
 

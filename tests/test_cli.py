@@ -12,7 +12,7 @@ import pytest
 from helpers import run_smoke
 
 from hafedho.cli import main
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 
 
 def test_run_smoke_config_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,7 +23,7 @@ from hafedho.algorithms.fedavg import FedAvg
 from hafedho.cli import main
 from hafedho.core import ConfigError, RoundInfo, tree
 from hafedho.experiment import build
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 from hafedho.sim.runner import run
 
 ALGS = sorted(REGISTRY)

@@ -20,7 +20,7 @@ from test_theory import F64, IDENTICAL, hand_exact_rounds, quad_experiment, vec
 
 from hafedho.algorithms.hafedho import ClientState, ExactBroadcast, HaFedHo, ServerState
 from hafedho.core import ClientInfo, RoundInfo
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 from hafedho.runtime.store import ClientStore
 from hafedho.sim import fullgrad
 from hafedho.sim.runner import run

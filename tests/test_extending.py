@@ -27,7 +27,7 @@ from hafedho.core.seeds import seed_for
 from hafedho.data.sources import SOURCES
 from hafedho.experiment import build
 from hafedho.models import MODELS
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 from hafedho.runtime import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from hafedho.flower import codec, deploy
 from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import RUN_CONFIG_DEFAULTS, config_path, experiment
 from hafedho.flower.strategy import HafedhoStrategy
-from hafedho.results import RunBusy, RunLock, read_metrics
+from hafedho.runfiles import RunBusy, RunLock, read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
 # 3 clients, 2 per round: round 1 = {1, 2}, round 2 = {0, 2}; client 2 carries its state from round 1 into 2.

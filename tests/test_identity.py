@@ -21,7 +21,7 @@ from hafedho.cli import main
 from hafedho.config import ConfigError, experiment_identity, load_config
 from hafedho.experiment import build
 from hafedho.report.runs import hyperparameters
-from hafedho.results import RunDirError, read_metrics
+from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.sim.runner import run
 
 

@@ -166,7 +166,7 @@ def test_engines_import_no_other_engine_nor_the_registry() -> None:
 # groups of one layer are peers and never import each other.
 LAYERS: list[set[str]] = [
     {"core"},
-    {"algorithms", "models", "data", "toml_io", "engine_registry", "results"},
+    {"algorithms", "models", "data", "toml_io", "engine_registry", "runfiles"},
     {"config"},
     {"experiment", "tracking"},
     {"runtime"},
@@ -237,7 +237,7 @@ def imported_names(path: Path) -> set[str]:
     return names
 
 
-SHARED_BY_RUNTIMES = [*sorted((SRC / "runtime").glob("*.py")), SRC / "experiment.py", SRC / "results.py"]
+SHARED_BY_RUNTIMES = [*sorted((SRC / "runtime").glob("*.py")), SRC / "experiment.py", SRC / "runfiles.py"]
 
 
 @pytest.mark.parametrize(

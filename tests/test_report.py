@@ -21,7 +21,7 @@ from hafedho.report.runs import load_sections
 from hafedho.report.stats import Stat, final_value, rounds_to
 from hafedho.report.summary import summary_rows
 from hafedho.report.tables import section_tables
-from hafedho.report.tables.rounds import rounds_tables
+from hafedho.report.tables.to_target import to_target_tables
 from hafedho.sweep.index import IndexEntry, SweepIndex, read_index
 from hafedho.toml_io import dump_toml
 
@@ -154,7 +154,7 @@ def test_rounds_to_target_counts_seeds_that_never_reach(tmp_path: Path) -> None:
     sweep_fixture(tmp_path)
     (section,) = load_sections(tmp_path)
     lay = Layout.of(section)
-    tables = rounds_tables(lay)
+    tables = to_target_tables(lay)
     first = tables[0]
     assert first.title.endswith("digits, q=0.1") and first.header == ["algorithm", "≥ 60.0%", "≥ 75.0%"]
     rows = {r[0].text: r for r in first.rows}
@@ -178,7 +178,7 @@ def test_auto_targets_from_fedavg(tmp_path: Path) -> None:
         make_run(tmp_path, f"fedavg-s{s}", "fedavg", s, [0.2, 0.4, 0.5, 0.5])
         make_run(tmp_path, f"hafedho-s{s}", "hafedho", s, [0.3, 0.5, 0.6, 0.6])
     (section,) = load_sections(tmp_path)
-    (table,) = rounds_tables(Layout.of(section))
+    (table,) = to_target_tables(Layout.of(section))
     # fedavg's final (mean of all 4, last = 10) = 0.4; targets 80/90/100% -> 32.0, 36.0, 40.0
     assert table.header == ["algorithm", "≥ 32.0%", "≥ 36.0%", "≥ 40.0%"]
     assert "of fedavg's final" in table.note

@@ -14,7 +14,7 @@ from helpers import SMOKE_PRESET_TABLES, no_wall
 
 from hafedho.cli import main
 from hafedho.report.build import write_report
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 from hafedho.sweep.browse import results_index
 from hafedho.sweep.execute import run_status
 

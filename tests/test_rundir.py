@@ -18,7 +18,7 @@ from helpers import BASE, no_wall, run_smoke
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, config_from_table, load_config
-from hafedho.results import RunDirError, atomic_write_text, read_metrics
+from hafedho.runfiles import RunDirError, atomic_write_text, read_metrics
 
 
 def run_in(out: Path) -> Path:
@@ -94,7 +94,7 @@ def test_a_second_writer_is_refused_and_changes_nothing(tmp_path: Path, capsys: 
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from hafedho.results import RunLock\n"
+            "import sys, time; from pathlib import Path; from hafedho.runfiles import RunLock\n"
             "with RunLock(Path(sys.argv[1])) as held:\n    print(held, flush=True); time.sleep(120)",
             str(run_in(out)),
         ],

@@ -19,7 +19,7 @@ from test_rundir import one_error_line, run_in, snapshot
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, load_config
-from hafedho.results import RunLock
+from hafedho.runfiles import RunLock
 
 USER = '''
 import random

@@ -29,7 +29,7 @@ from hafedho.flower.common import experiment
 from hafedho.flower.secagg import SecAggSettings, check_algorithm, client_vector
 from hafedho.flower.secagg_server import SecureRounds
 from hafedho.flower.strategy import HafedhoStrategy
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 from hafedho.runtime.work import RoundWork
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"

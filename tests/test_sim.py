@@ -19,7 +19,7 @@ from hafedho.config import load_config
 from hafedho.core.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.data.federated import BatchPlan, plan_indices
 from hafedho.experiment import build
-from hafedho.results import RunDirError, read_metrics
+from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.runtime import checkpoint
 from hafedho.runtime.store import ClientStore
 from hafedho.sim.runner import Divergence, run

@@ -18,7 +18,7 @@ from hafedho.cli import main
 from hafedho.config import ConfigError, load_config
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
-from hafedho.results import RunLock, read_metrics
+from hafedho.runfiles import RunLock, read_metrics
 from hafedho.sweep.execute import run_spec, run_status, run_sweep
 from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, changing_overrides, read_index, write_index

@@ -24,7 +24,7 @@ from test_sweep import tiny
 from hafedho.cli import main
 from hafedho.config import ConfigError
 from hafedho.flower.procs import Service, descendants, free_port
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 from hafedho.runtime.rundir import RUN_FILES
 from hafedho.sweep.execute import run_spec
 from hafedho.sweep.expand import expand

@@ -22,7 +22,7 @@ from hafedho.core import ClientInfo, FunctionalModel, Params, RoundInfo
 from hafedho.data.federated import FederatedData
 from hafedho.experiment import Experiment, build
 from hafedho.flower.common import check_deployable
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 from hafedho.runtime.store import ClientStore
 from hafedho.sim import fullgrad
 from hafedho.sim.runner import run

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import run_smoke
 
-from hafedho.results import read_metrics
+from hafedho.runfiles import read_metrics
 
 pytestmark = pytest.mark.skipif(
     find_spec("mlflow") is None or find_spec("tensorboard") is None, reason="needs pip install 'hafedho[track]'"

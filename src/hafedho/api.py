@@ -78,7 +78,7 @@ def run(
         prints them; ``sim.runner.Divergence`` when the run diverges.
     """
     from hafedho.experiment import build  # the heavy half, imported when a run starts
-    from hafedho.results import read_metrics
+    from hafedho.runfiles import read_metrics
     from hafedho.runtime.rundir import is_finished
     from hafedho.sim.runner import run as run_experiment
 

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = args.overrides[1:] if args.config else args.overrides
     from hafedho.data.partition import PartitionError
     from hafedho.data.sources import DataError
-    from hafedho.results import RunDirError
+    from hafedho.runfiles import RunDirError
     from hafedho.sim.runner import Divergence
 
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hafedho.config import Config, ConfigError, experiment_hash, flatten
-from hafedho.results import RunDirError, make_folder, read_metrics, write_json
+from hafedho.runfiles import RunDirError, make_folder, read_metrics, write_json
 
 STATE_FILE = "tracking.json"
 EXTRA = "pip install 'hafedho[track]'"

@@ -57,7 +57,7 @@ class HafedhoStrategy(Strategy):
         self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.node_wait, self.query_timeout = node_wait, query_timeout
         init = self.alg.init_server(self.model.params())
-        self.rounds = ServerRounds(exp, init, self.run_dir, checkpoint_extra={"engine": "flower"})
+        self.server_rounds = ServerRounds(exp, init, self.run_dir, checkpoint_extra={"engine": "flower"})
         self.upload_like = upload_template(exp)
         self.digest = digest(exp)
         self.nodes: dict[int, int] = {}  # node id -> partition id (-1: the node failed to say)
@@ -68,12 +68,12 @@ class HafedhoStrategy(Strategy):
 
     @property
     def server(self) -> Any:
-        return self.rounds.server
+        return self.server_rounds.server
 
     @property
     def rows(self) -> list[dict[str, Any]]:
         """Every metrics row written."""
-        return self.rounds.rows
+        return self.server_rounds.rows
 
     # ----------------------------------------------------------------- run directory
 
@@ -164,7 +164,7 @@ class HafedhoStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         cohort = self.exp.cohort(server_round).tolist()
-        _, msg = self.rounds.begin(server_round, len(cohort))
+        _, msg = self.server_rounds.begin(server_round, len(cohort))
         self._asked = set()  # a node that failed to report its partition is asked again next round
         found = self.targets(cohort, grid)
         payload = codec.encode(msg)
@@ -237,7 +237,7 @@ class HafedhoStrategy(Strategy):
     def finish_train(self, server_round: int, out: CohortResult, used: int, reached: int, **extra: Any) -> dict:
         """``ServerRounds.finish_round`` on the round's aggregate (plain, or SecAgg+'s from
         ``flower/secagg_server.py``); the row waits for ``evaluate_global``."""
-        row = self.rounds.finish_round(server_round, out, used, reached, **extra)
+        row = self.server_rounds.finish_round(server_round, out, used, reached, **extra)
         self._round["row"] = row
         return row
 
@@ -248,7 +248,7 @@ class HafedhoStrategy(Strategy):
     ) -> Iterable[Message]:
         """With held-out local data (personalised algorithms by default), every known node reports the accuracy of
         the model it would deploy (``alg.predict``) on its own data, as the simulator's ``personal_accuracy``."""
-        if self.fed.local_test is None or not self.rounds.is_eval_round(server_round):
+        if self.fed.local_test is None or not self.server_rounds.is_eval_round(server_round):
             return []
         online = set(grid.get_node_ids())
         payload = codec.encode(self.server)
@@ -290,8 +290,8 @@ class HafedhoStrategy(Strategy):
         row = self._round.pop("row", None)
         if server_round == 0 or row is None:
             return None
-        ev = self.rounds.evaluate(server_round, row)  # personal accuracy: from the nodes (aggregate_evaluate)
-        self.rounds.commit(server_round, row)
+        ev = self.server_rounds.evaluate(server_round, row)  # personal accuracy: from the nodes (aggregate_evaluate)
+        self.server_rounds.commit(server_round, row)
         return None if ev is None else MetricRecord({"test/acc": ev["acc"], "test/loss": ev["loss"]})
 
     def finish(self) -> None:

@@ -17,7 +17,7 @@ from hafedho.report.runs import load_sections
 from hafedho.report.summary import rounds_rows, summary_rows
 from hafedho.report.table import Table
 from hafedho.report.tables import section_tables
-from hafedho.results import atomic_write_text
+from hafedho.runfiles import atomic_write_text
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 from hafedho.config import RUNTIME_KEYS, ConfigError, canonical_json, config_from_table, experiment_identity, flatten
 from hafedho.report.paths import relative_paths
 from hafedho.report.study import Study
-from hafedho.results import read_metrics, why_no_rows
+from hafedho.runfiles import read_metrics, why_no_rows
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
 from hafedho.toml_io import read_toml
 

@@ -7,7 +7,7 @@ from typing import Any
 from hafedho.report.layout import Layout
 from hafedho.report.runs import Section
 from hafedho.report.stats import accuracy_stat, rounds_stat
-from hafedho.report.tables.rounds import targets_for
+from hafedho.report.tables.to_target import targets_for
 
 
 def summary_rows(section: Section) -> list[dict[str, Any]]:

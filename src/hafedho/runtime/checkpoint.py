@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from hafedho.results import RunDirError, atomic_write_bytes
+from hafedho.runfiles import RunDirError, atomic_write_bytes
 
 
 def save(path: Path, round: int, server: Any, store_leaves: list[torch.Tensor], extra: dict[str, Any]) -> None:

@@ -2,11 +2,11 @@
 
 A runtime only moves messages. Per round it calls
 
-    rnd, msg = rounds.begin(t, m)             broadcast of the server state (the round's clock starts)
+    rnd, msg = server_rounds.begin(t, m)             broadcast of the server state (the round's clock starts)
     ... the cohort runs (an engine, or Flower nodes), streamed into a ``CohortStream`` in client-id order ...
-    row = rounds.finish_round(t, out, m', r)  server_update (skipped when nobody reported), divergence check, row
-    rounds.evaluate(t, row, ...)              global (and pooled personal) accuracy on evaluation rounds
-    rounds.commit(t, row, store)              the row into metrics.jsonl, a checkpoint on checkpoint rounds
+    row = server_rounds.finish_round(t, out, m', r)  server_update (skipped when nobody reported), divergence, row
+    server_rounds.evaluate(t, row, ...)              global (and pooled personal) accuracy on evaluation rounds
+    server_rounds.commit(t, row, store)              the row into metrics.jsonl, a checkpoint on checkpoint rounds
 
 (m: sampled clients, m': those whose uploads were aggregated, r: those the broadcast reached) and writes
 ``run_facts`` into ``run.json`` once per run.

@@ -2,7 +2,7 @@
 
 What may be continued (``prepare``: same experiment, never shortened), what ``--force`` may delete (only a run
 directory), the facts written once (``start``), the metrics rows, checkpoints with the client store, and the
-``done``/``diverged`` markers. The file layout and the atomic writes are ``hafedho.results``'.
+``done``/``diverged`` markers. The file layout and the atomic writes are ``hafedho.runfiles``'.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hafedho.config import (
     experiment_identity,
     identity_diff,
 )
-from hafedho.results import (
+from hafedho.runfiles import (
     RunBusy,
     RunDirError,
     RunLock,

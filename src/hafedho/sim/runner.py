@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from hafedho.engine_registry import engine_for
 from hafedho.experiment import Experiment
-from hafedho.results import RunDirError, read_metrics
+from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
 from hafedho.runtime.rundir import RunDir
 from hafedho.runtime.store import ClientStore
@@ -113,30 +113,30 @@ def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool,
     start, server, wall = rd.resume(server, store) if resume else (1, server, 0.0)
     rd.truncate(start - 1)  # rounds after the checkpoint are recomputed identically
 
-    rounds = ServerRounds(exp, server, rd, start, wall)
+    server_rounds = ServerRounds(exp, server, rd, start, wall)
     plan, idle = exp.plan, _Threads(server_threads(engine))
     bar = tqdm(range(start, cfg.rounds + 1), desc=cfg.run_name, disable=not progress, leave=False)
     for t in bar:
         cohort = exp.cohort(t)
-        rnd, msg = rounds.begin(t, len(cohort))
+        rnd, msg = server_rounds.begin(t, len(cohort))
         # the full-data pass where the algorithm or [diagnostics] asks for it (sim/fullgrad.py); else nothing
         with idle:
-            params = alg.eval_params(rounds.server)
+            params = alg.eval_params(server_rounds.server)
             msg, diag, untimed, full = prepare_round(exp, params, msg, rnd, cohort.tolist(), store)
-        rounds.untimed(untimed)
+        server_rounds.untimed(untimed)
         out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
         if t <= BLOWUP_ROUNDS:
             with idle:  # the early blow-up guard's reference loss, once per run
-                rounds.start_loss()
-        row = rounds.finish_round(t, out, len(cohort), len(cohort), **diag)
+                server_rounds.start_loss()
+        row = server_rounds.finish_round(t, out, len(cohort), len(cohort), **diag)
         if full is not None and out.aggregate is not None:  # after wall_s was taken: the uploads against w_t
             with idle:
-                row.update(fresh(exp, rounds.server, rnd, cohort.tolist(), store, full, params_dtype(params)))
+                row.update(fresh(exp, server_rounds.server, rnd, cohort.tolist(), store, full, params_dtype(params)))
         with idle:
-            ev = rounds.evaluate(t, row, store.gather)
+            ev = server_rounds.evaluate(t, row, store.gather)
         if ev is not None:
             bar.set_postfix(acc=f"{ev['acc']:.3f}")
-        rounds.commit(t, row, store)
+        server_rounds.commit(t, row, store)
     bar.close()
     rd.mark_done()
-    return rounds.rows[-1] if rounds.rows else {}
+    return server_rounds.rows[-1] if server_rounds.rows else {}

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hafedho.results import atomic_write_text
+from hafedho.runfiles import atomic_write_text
 from hafedho.sweep.index import SweepIndex, find_indexes, read_index, runs_folder
 
 INDEX_FILE = "README.md"

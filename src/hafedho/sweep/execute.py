@@ -21,7 +21,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from hafedho.config import Config
-from hafedho.results import RunDirError, read_metrics
+from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.sweep.expand import RunSpec
 
 
@@ -130,7 +130,7 @@ def run_spec(cfg: Config, run_dir: str, threads: int | None = None) -> Outcome:
 
 def _run_spec(cfg: Config, path: Path) -> Outcome:
     from hafedho.experiment import build
-    from hafedho.results import RunBusy
+    from hafedho.runfiles import RunBusy
     from hafedho.sim.runner import Divergence, run
 
     t0, name = time.perf_counter(), path.name  # the spec's name (Config.run_name)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hafedho.results import write_json
+from hafedho.runfiles import write_json
 from hafedho.sweep.presets import TWIN_OF_DERIVE, Preset, row_axes
 from hafedho.toml_io import parse_override
 

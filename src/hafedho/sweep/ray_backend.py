@@ -199,7 +199,7 @@ class RayBackend:
 
 
 def _last_acc(run_dir: Path) -> float | None:
-    from hafedho.results import read_metrics
+    from hafedho.runfiles import read_metrics
 
     rows = read_metrics(run_dir)
     return rows[-1].get("test/acc") if rows else None

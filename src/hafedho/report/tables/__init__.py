@@ -18,8 +18,8 @@ from hafedho.report.table import Table
 from hafedho.report.tables.best_hyper import best_hyper_table
 from hafedho.report.tables.final import accuracy_tables
 from hafedho.report.tables.robustness import robustness_table
-from hafedho.report.tables.rounds import rounds_tables
 from hafedho.report.tables.status import status_table
+from hafedho.report.tables.to_target import to_target_tables
 from hafedho.report.tables.verdict import verdict_table
 
 Builder = Callable[[Layout], list[Table]]
@@ -27,7 +27,7 @@ Builder = Callable[[Layout], list[Table]]
 # kind -> builder (or its reference), in the default order
 TABLES: dict[str, Builder | str] = {
     "final": accuracy_tables,
-    "rounds": rounds_tables,
+    "rounds": to_target_tables,
     "best_hyper": best_hyper_table,
     "verdict": verdict_table,
     "robustness": robustness_table,  # only where a preset runs several protocols (a `protocol` axis)

@@ -41,7 +41,7 @@ def targets_for(lay: Layout, col: dict[str, Any]) -> tuple[list[float], str]:
     return targets, f"targets: {how} of {ref.label}'s final {s.metric_label} ({base * 100:.2f}%)"
 
 
-def rounds_tables(lay: Layout) -> list[Table]:
+def to_target_tables(lay: Layout) -> list[Table]:
     """Rounds to reach each target, one table per column: mean ± std over the seeds that reached it, and how
     many of the seeds reached it; the fastest competitor that every seed brought there is bold."""
     s = lay.section
