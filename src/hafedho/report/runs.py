@@ -160,14 +160,13 @@ def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def at_horizon(run: Run, rounds: int | None) -> Run:
-    """``run`` as its sweep asked for it: its rows up to the sweep's horizon ``rounds``. ``rounds`` is not part of
-    a run's identity, so another preset may have extended the run since (converge's 300 rounds of table1's
-    30-round runs); it then reads as it was at the horizon, finished if it got there. A run finished short of the
-    horizon (the 30-round run a 150-round sweep will carry on) reads as incomplete, never as that horizon's result."""
+    """``run`` as its sweep asked for it: its rows up to the sweep's horizon ``rounds`` (not part of a run's
+    identity, so another preset may have extended the run since: converge's 300 rounds of table1's runs); it then
+    reads as it was at the horizon. A run done short of the horizon reads as incomplete, never as its result."""
     if not rounds or not run.rows:
         return run
     if (last := int(run.rows[-1]["round"])) < rounds:
-        if run.status == "done":  # finished at a shorter horizon (another preset's): not this sweep's result yet
+        if run.status == "done":  # done at a shorter horizon (another preset's): not this sweep's result yet
             run.status, run.message = "incomplete", f"done at round {last}, short of the sweep's {rounds}"
         return run
     run.rows = [r for r in run.rows if int(r["round"]) <= rounds]
