@@ -16,7 +16,7 @@ algorithm uses it in two ways, kept apart:
 
 ``full`` below is ``{weighting: (sum_j a_j grad f_j(w_t), sum_j a_j f_j(w_t))}`` over all N clients, with a_j = 1/N
 for ``"uniform"`` and a_j = p_j for ``"data_size"`` (``aggregation_weight``'s names), in the parameters' dtype;
-the diagnostic pass adds the algorithm's ``weightings`` under their own names (docs/extending.md, "Diagnostics").
+the diagnostic pass adds the algorithm's ``weightings`` under their own names (docs/extending.md, section 9).
 """
 
 from __future__ import annotations
