@@ -11,15 +11,21 @@ grad f_0 = (-1, 0), grad f_1 = (1, -1), G = (0, -1/2), T_0 = G - grad f_0 / 2 = 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from fractions import Fraction as Fr
 
 import numpy as np
 import pytest
 import torch
+from helpers import SMOKE
 from test_theory import F64, IDENTICAL, hand_exact_rounds, quad_experiment, vec
 
+import hafedho
+from hafedho.algorithms import REGISTRY, FedAvg
 from hafedho.algorithms.hafedho import ClientState, ExactBroadcast, HaFedHo, ServerState
-from hafedho.core import ClientInfo, RoundInfo
+from hafedho.config import ConfigError, load_config
+from hafedho.core import ClientInfo, Diagnostics, Estimate, RoundInfo
+from hafedho.experiment import build
 from hafedho.runfiles import read_metrics
 from hafedho.runtime.store import ClientStore
 from hafedho.sim import fullgrad
@@ -170,7 +176,8 @@ def test_exact_matched_h_by_hand() -> None:
         alg = HaFedHo(h_source=source, mu=0.1)
         h, _, _ = alg.rectification(msg, state, info, RoundInfo(2, 2, 2), own, 2.0)
         assert np.allclose(vec(h), want, atol=1e-15, rtol=0)
-    assert HaFedHo(h_source="exact_matched").needs_full_gradient
+    assert HaFedHo(h_source="exact_matched").diagnostics().needs_full_gradient
+    assert not HaFedHo().diagnostics().needs_full_gradient  # Algorithm 1: the estimate only
 
 
 def test_exact_matched_run_is_its_definition(tmp_path) -> None:
@@ -233,3 +240,41 @@ def test_report_tables_both_pairings(tmp_path) -> None:
     assert all("0.505 ± 0.007,0.130 ± 0.007,decays,1.010 ± 0.014,0.260 ± 0.014" in line for line in lines[1:])
     assert all(line.endswith("-0.300 ± 0.000,0.400 ± 0.000,0.400 ± 0.000") for line in lines[1:])
     assert (tmp_path / "rep" / "diagnostics.csv").exists()
+
+
+# ------------------------------------------------------------------ the extension, from a user's algorithm
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExactAvg(FedAvg):
+    """A user's FedAvg whose "estimate" is the exact full-data gradient itself, against a reference of half of it
+    (the pass's extra weighting p_j / 2): cos 1, errors 0 and a steady-state error of exactly 1."""
+
+    name = "exactavg"
+
+    def diagnostics(self) -> Diagnostics:
+        return Diagnostics(estimate=self.estimate, weightings=lambda p, steps, rnd: {"half": p / 2})
+
+    def estimate(self, msg, state, info, rnd, full, own, steps) -> Estimate:
+        grad, half = full["data_size"][0], full["half"][0]
+        return Estimate(grad, grad, 1.0, half, 1.0)
+
+
+def test_a_user_algorithm_provides_diagnostics_and_fedavg_none(tmp_path, request) -> None:
+    """``FedAlgorithm.diagnostics()`` is the one way in: FedAvg provides none (and the config refuses
+    ``diagnostics.every`` for it), a FedAvg subclass defined here gets ``diag/*`` rows from a 2-round run."""
+    assert FedAvg().diagnostics() is None and not Diagnostics.of(FedAvg()).needs_full_gradient
+    hafedho.register(ExactAvg)  # as a user would
+    request.addfinalizer(lambda: REGISTRY.pop(ExactAvg.name))
+    cfg = load_config(SMOKE, ["algorithm.name=exactavg", "diagnostics.every=1"])
+    assert not Diagnostics.of(cfg.selected_algorithm()).needs_full_gradient
+    run(build(cfg), tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["round"] for r in rows] == [1, 2]
+    for row in rows:
+        assert set(fullgrad.DIAG_KEYS) <= set(row), sorted(set(fullgrad.DIAG_KEYS) - set(row))
+        assert row["diag/h_cos"] == pytest.approx(1.0) and row["diag/fresh_cos"] == pytest.approx(1.0)
+        assert row["diag/h_rel_err"] == pytest.approx(0.0, abs=1e-12) and row["diag/h_def1_abs_err"] == 0.0
+        assert row["diag/h_ss_rel_err"] == pytest.approx(1.0) and row["diag/ref_norm"] > 0
+    with pytest.raises(ConfigError, match=r"^diagnostics.every=1: fedavg keeps no estimate"):
+        load_config(SMOKE, ["algorithm.name=fedavg", "diagnostics.every=1"])

@@ -314,7 +314,8 @@ def test_exact_client_without_the_simulator_refuses() -> None:
     with pytest.raises(ValueError, match=r"^hafedho: h_source='exact' needs the simulator's full-data gradient"):
         alg.rectification(alg.broadcast(alg.init_server(w), RoundInfo(1, 2, 1)), alg.init_client(w), info,
                           RoundInfo(1, 2, 1), own=(w, torch.tensor(0.0)), steps=1.0)  # fmt: skip
-    assert isinstance(alg.attach_full_gradient(alg.init_server(w), {"uniform": (w, torch.tensor(0.0))}), ExactBroadcast)
+    attach = alg.diagnostics().attach_full_gradient
+    assert isinstance(attach(alg.init_server(w), {"uniform": (w, torch.tensor(0.0))}), ExactBroadcast)
 
 
 # ----------------------------------------------------------------------------- the report

@@ -1,7 +1,6 @@
 """Typed experiment configuration: TOML files plus dotted ``key=value`` overrides, strictly validated.
 
-Every unknown key, wrong type or impossible setting fails before any training with one line that names the
-key and the fix.
+Every unknown key, wrong type or impossible setting fails before any training with one line naming key and fix.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any
 
 from hafedho.algorithms import algorithm_from_table, applicable
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
+from hafedho.core.diagnostics import Diagnostics
 from hafedho.core.refs import file_name
 from hafedho.data.partition import check_partition
 from hafedho.engine_registry import ENGINES, engine_help, option_field
@@ -308,10 +308,10 @@ def validate(cfg: Config) -> Config:
     algorithm is built (bad hyperparameters fail here, before any run starts) and only its own
     ``[algorithm.NAME]`` table is kept (``hafedho.algorithms.applicable``: the others never apply to the run)."""
     alg = cfg.selected_algorithm()
-    if cfg.diagnostics.every and not alg.has_estimate():
+    if cfg.diagnostics.every and Diagnostics.of(alg).estimate is None:
         raise ConfigError(
-            f"diagnostics.every={cfg.diagnostics.every}: {alg.name} keeps no estimate to measure (the diagnostics "
-            "measure HaFedHo's h); use algorithm.name=hafedho or set diagnostics.every=0"
+            f"diagnostics.every={cfg.diagnostics.every}: {alg.name} keeps no estimate to measure (no "
+            "Diagnostics.estimate: docs/extending.md); use algorithm.name=hafedho or set diagnostics.every=0"
         )
     cfg.algorithm = applicable(cfg.algorithm)
     cfg._resolved = (canonical_json(cfg.algorithm), alg)  # held as built: the tables dropped never applied to it

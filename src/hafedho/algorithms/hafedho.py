@@ -58,16 +58,17 @@ Switches for the paper's inconsistencies and ablations (defaults follow Algorith
                      aggregation="uniform", p_j for "data_size"), r_i = 1 with self_correction (always: the exact
                      G contains every client's share), lambda the client's local steps; f_hat likewise,
                      sum_j a_j f_j(w_t) - r_i a_i f_i(w_t). The simulator delivers (G, sum_j a_j f_j) with the
-                     broadcast (``ExactBroadcast``, ``attach_full_gradient``); the client removes its own share
-                     from its whole local data (one extra pass, ``needs_full_pass``). docs/algorithms.md,
-                     "Theorem 1 measured / Proposition 1's ideal".
+                     broadcast (``ExactBroadcast``, ``attach_full_gradient``, handed over by ``diagnostics()``);
+                     the client removes its own share from its whole local data (one extra pass,
+                     ``needs_full_pass``). docs/algorithms.md, "Theorem 1 measured / Proposition 1's ideal".
                      "exact_matched": the same ideal at the practical h's strength, h = lambda (G(w_t) - r_i a_i
                      grad f_i(w_t)) / (1 - lambda mu_t) (its fixed point below); refused for lambda mu >= 1.
 
-Theorem 1 measured: ``estimate`` gives the ``[diagnostics]`` pass (``hafedho.sim.fullgrad``) the h a client uses,
-the target it stands for, T_i = G(w_t) - r_i a_i grad f_i(w_t) (the other clients' share; r_i = 1 when h removes
-the client's own), and h's steady-state reference h_i^*: Algorithm 1's recursion frozen at w_t with every client
-uploading its exact gradients every round (noise-free, full participation, local iterates at w_t):
+Theorem 1 measured: ``estimate`` (handed over by ``diagnostics()``, the contract's optional extension
+``core.diagnostics``) gives the ``[diagnostics]`` pass (``hafedho.sim.fullgrad``) the h a client uses, the target it
+stands for, T_i = G(w_t) - r_i a_i grad f_i(w_t) (the other clients' share; r_i = 1 when h removes the client's own),
+and h's steady-state reference h_i^*: Algorithm 1's recursion frozen at w_t with every client uploading its exact
+gradients every round (noise-free, full participation, local iterates at w_t):
     g_j = lambda_j (grad f_j + mu h_j),   h_j = g - r p_j g_j,   g = sum_j a_j g_j      (mu = mu_{t-1}, r = 1 with
                                                                                           self-correction, else 0)
     => g_j = beta_j lambda_j (grad f_j + mu g),  beta_j = 1 / (1 + r lambda_j mu p_j)
@@ -97,6 +98,7 @@ from hafedho.core import (
     ClientData,
     ClientInfo,
     ClientResult,
+    Diagnostics,
     Estimate,
     FedAlgorithm,
     Model,
@@ -171,9 +173,11 @@ class HaFedHo(FedAlgorithm):
     def needs_full_pass(self) -> bool:
         return self.h_source != "aggregate"  # the client's own share grad f_i(w_t), from its whole local data
 
-    @property
-    def needs_full_gradient(self) -> bool:
-        return self.h_source != "aggregate"
+    def diagnostics(self) -> Diagnostics:
+        """Theorem 1 measured (``estimate``, ``diagnostic_weightings``) and, for the exact sources, the simulator's
+        full-data gradient in the broadcast (``attach_full_gradient``)."""
+        exact = self.attach_full_gradient if self.h_source != "aggregate" else None
+        return Diagnostics(self.estimate, self.diagnostic_weightings, exact)
 
     def attach_full_gradient(self, msg: Broadcast, full: dict[str, tuple[Params, Tensor]]) -> ExactBroadcast:
         grad, f = full[self.aggregation]

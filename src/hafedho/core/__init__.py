@@ -2,7 +2,8 @@
 
 from hafedho.core import tree
 from hafedho.core.aggregate import WeightedMean
-from hafedho.core.algorithm import ConfigError, Estimate, FedAlgorithm, hp
+from hafedho.core.algorithm import ConfigError, FedAlgorithm, hp
+from hafedho.core.diagnostics import Diagnostics, Estimate
 from hafedho.core.local import (
     LocalResult,
     Transform,
@@ -26,6 +27,7 @@ __all__ = [
     "ClientInfo",
     "ClientResult",
     "ConfigError",
+    "Diagnostics",
     "Estimate",
     "FedAlgorithm",
     "FunctionalModel",

@@ -9,25 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
-import numpy as np
 from torch import Tensor
 
 from hafedho.core.aggregate import WeightedMean
+from hafedho.core.diagnostics import Diagnostics
 from hafedho.core.tree import Params
 from hafedho.core.types import Aggregator, ClientData, ClientInfo, ClientResult, Model, RoundInfo
-
-
-class Estimate(NamedTuple):
-    """What ``FedAlgorithm.estimate`` gives the ``[diagnostics]`` pass for one client (docs/algorithms.md,
-    "Theorem 1 measured")."""
-
-    e: Params  # the estimate the client uses (HaFedHo: h)
-    target: Params  # the exact quantity it stands for at w_t (HaFedHo: the other clients' share T_i)
-    scale: float  # s with e ~ s * target (one scalar; the legacy diag/h_rel_err divides by it)
-    reference: Params  # what e would be at w_t in the noise-free, full-participation steady state
-    coef: float  # the factor e enters the objective with (HaFedHo: mu_t), for Definition 1's ||coef e - target||
 
 
 class ConfigError(ValueError):
@@ -87,6 +76,10 @@ class FedAlgorithm:
     ``init_server``, ``broadcast``, ``client_update`` and ``server_update``; the others have defaults here. Most
     algorithms subclass ``algorithms.fedavg.FedAvg`` instead, which defines the four and exposes the local objective
     and the local transform as hooks. Convention: every ``ServerState`` has a field ``params``, the global model.
+
+    Nothing here belongs to one method: what only the simulator can give (the exact gradient over every client's
+    data, for ``[diagnostics]`` or for an idealised method such as HaFedHo's h_source="exact") comes through one
+    optional extension, ``diagnostics()`` returning a ``core.diagnostics.Diagnostics`` (default None).
     """
 
     name: ClassVar[str] = ""
@@ -130,48 +123,11 @@ class FedAlgorithm:
             )
         return data.full
 
-    @property
-    def needs_full_gradient(self) -> bool:
-        """True when the broadcast must carry the exact full-data gradient at w_t over EVERY client's training data
-        (an idealised method, simulation only): the simulator computes it (``hafedho.sim.fullgrad``) and hands it
-        to ``attach_full_gradient``; the Flower apps refuse such a setting."""
-        return False
-
-    def attach_full_gradient(self, msg: Any, full: dict[str, tuple[Params, Tensor]]) -> Any:
-        """The broadcast with the full-data gradient at w_t attached, for ``needs_full_gradient`` algorithms.
-
-        ``full[weighting] = (sum_j a_j grad f_j(w_t), sum_j a_j f_j(w_t))`` over all N clients, with a_j = 1/N for
-        ``"uniform"`` and a_j = p_j for ``"data_size"`` (``aggregation_weight``'s names), in the parameters' dtype.
-        """
-        raise NotImplementedError(f"{self.name} does not use the full-data gradient")
-
-    def estimate(
-        self,
-        msg: Any,
-        state: Any,
-        info: ClientInfo,
-        rnd: RoundInfo,
-        full: dict[str, tuple[Params, Tensor]],
-        own: tuple[Params, Tensor],
-        steps: int,
-    ) -> Estimate:
-        """The ``[diagnostics]`` hook (simulation only): the ``Estimate`` of a client about to train in round
-        ``rnd`` from ``state``: the estimate its ``client_update`` would use, the exact quantity it stands for (from
-        ``full``, as in ``attach_full_gradient``, plus the weightings of ``diagnostic_weightings`` by name, and
-        ``own = (grad f_i(w_t), f_i(w_t))``), its scale and steady-state reference; ``steps`` is the client's
-        lambda. Algorithms that keep no such estimate leave this out, and ``diagnostics.every > 0`` is refused."""
-        raise NotImplementedError(f"{self.name} keeps no estimate for the diagnostics to measure")
-
-    def diagnostic_weightings(self, p: np.ndarray, steps: np.ndarray, rnd: RoundInfo) -> dict[str, np.ndarray]:
-        """Extra per-client weights ``w_j`` (shape ``[N]``) whose sums ``(sum_j w_j grad f_j(w_t), sum_j w_j)`` the
-        diagnostic pass hands ``estimate`` in ``full`` under the same name (the second slot is the weights' total,
-        not a loss); ``p`` holds p_j and ``steps`` each client's lambda_j. Default: none."""
-        return {}
-
-    @classmethod
-    def has_estimate(cls) -> bool:
-        """Whether the algorithm defines ``estimate`` (``[diagnostics]`` applies to it)."""
-        return cls.estimate is not FedAlgorithm.estimate
+    def diagnostics(self) -> Diagnostics | None:
+        """The contract's one optional extension, simulation only (``core.diagnostics``): hooks into the
+        simulator's exact full-data gradient pass, to measure the algorithm's estimate (``[diagnostics]``) and/or to
+        receive that gradient in the broadcast every round. Default: none."""
+        return None
 
     def init_server(self, params: Params) -> Any:
         """The ``ServerState`` of round 1 from the initial global model."""

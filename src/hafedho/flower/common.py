@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from hafedho.config import Config, ConfigError, canonical_json, config_path, experiment_identity, load_config
-from hafedho.core import ClientData, ClientInfo, RoundInfo, tree
+from hafedho.core import ClientData, ClientInfo, Diagnostics, RoundInfo, tree
 from hafedho.experiment import Experiment
 from hafedho.flower.app import RUN_CONFIG_DEFAULTS  # the run config's keys and defaults, defined there
 
@@ -55,14 +55,15 @@ def load_run_config(run_config: Mapping[str, Any], data_path: str | None = None)
 
 def check_deployable(cfg: Config) -> Config:
     """Refuse what only the simulator can compute (every client's data in one place): ``[diagnostics]`` and
-    algorithms that need the exact full-data gradient (HaFedHo's h_source="exact")."""
+    algorithms that need the exact full-data gradient (``Diagnostics.needs_full_gradient``: HaFedHo's
+    h_source="exact")."""
     if cfg.diagnostics.every:
         raise ConfigError(
             f"diagnostics.every={cfg.diagnostics.every}: diagnostics are simulation only (they read every client's "
             "data); run with `hafedho run`, or set diagnostics.every=0 for Flower"
         )
     alg = cfg.selected_algorithm()
-    if alg.needs_full_gradient:
+    if Diagnostics.of(alg).needs_full_gradient:
         raise ConfigError(
             f"{alg.name}: these settings need the exact full-data gradient over every client's data (hafedho: "
             "h_source='exact', Proposition 1's ideal), simulation only; run with `hafedho run`, or set "

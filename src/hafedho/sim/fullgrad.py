@@ -1,15 +1,17 @@
 """The simulator's full-data gradient pass: grad f_j(w_t) over every client's whole training data, streamed.
 
-Two users, one pass per round at most (docs/algorithms.md, "Theorem 1 measured / Proposition 1's ideal"):
+Two users, one pass per round at most, both through the algorithm's ``Diagnostics`` (``FedAlgorithm.diagnostics()``,
+``core.diagnostics``; docs/algorithms.md, "Theorem 1 measured / Proposition 1's ideal"):
 
 * ``[diagnostics] every = k`` (Theorem 1 measured): every k-th round, before the cohort trains, how well each
-  sampled client's estimate (HaFedHo's h, ``FedAlgorithm.estimate``) matches the exact quantity it stands for
+  sampled client's estimate (HaFedHo's h, ``Diagnostics.estimate``) matches the exact quantity it stands for
   (``diagnose``: the h used in round t), and after it trained, how well what it uploaded does (``fresh``: the h
   round t+1 builds from round t's aggregate), both against the target at w_t; cohort means go into the round's
   metrics row as ``diag/*``. Only reads: the trajectory is bit-identical with diagnostics on or off, and the
   pass's seconds are left out of ``wall_s`` (logged as ``diag/seconds``).
-* ``alg.needs_full_gradient`` (HaFedHo's h_source="exact", Proposition 1's ideal): the aggregates are attached to
-  the broadcast (``attach_full_gradient``) every round; the pass is then part of the method and of ``wall_s``.
+* ``Diagnostics.needs_full_gradient`` (HaFedHo's h_source="exact", Proposition 1's ideal): the aggregates are
+  attached to the broadcast (``Diagnostics.attach_full_gradient``) every round; the pass is then part of the method
+  and of ``wall_s``.
 
 The pass runs in the runner's process, whatever the engine, so every engine receives the same broadcast.
 
@@ -31,7 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hafedho.core import Estimate, Params, RoundInfo, full_gradient, tree
+from hafedho.core import Diagnostics, Estimate, Params, RoundInfo, full_gradient, tree
+from hafedho.core.diagnostics import EstimateFn
 from hafedho.core.seeds import seed_for
 from hafedho.experiment import Experiment
 from hafedho.runtime.store import ClientStore
@@ -63,7 +66,7 @@ class FullGradients(NamedTuple):
     extra: dict[str, tuple[Params, Tensor]] | None = None  # name -> (sum_j w_j grad f_j, sum_j w_j), float64
 
     def aggregates(self, dtype: torch.dtype, prefix: str | None = None) -> dict[str, tuple[Params, Tensor]]:
-        """What ``FedAlgorithm.attach_full_gradient`` and ``estimate`` receive: the aggregates in ``dtype``, and with
+        """What ``Diagnostics.attach_full_gradient`` and ``estimate`` receive: the aggregates in ``dtype``, and with
         ``prefix`` the extra weightings named ``prefix + name``, under ``name``."""
         out = {w: ({k: v.to(dtype) for k, v in self.grad[w].items()}, self.f[w].to(dtype)) for w in WEIGHTINGS}
         for name, (g, total) in (self.extra or {}).items():
@@ -165,16 +168,27 @@ def errors(est: Estimate, key: str) -> dict[str, float]:
 
 
 def diagnostic_weights(exp: Experiment, rnd: RoundInfo) -> dict[str, np.ndarray]:
-    """The ``extra`` of a diagnostic pass: the algorithm's ``diagnostic_weightings`` (from every client's p_j and
+    """The ``extra`` of a diagnostic pass: the algorithm's ``Diagnostics.weightings`` (from every client's p_j and
     lambda_j) for round t's estimate and for round t+1's (``fresh``), named ``"t:name"``."""
+    weightings = Diagnostics.of(exp.alg).weightings
+    if weightings is None:
+        return {}
     sizes = exp.fed.sizes
     p = sizes.astype(np.float64) / float(sizes.sum())
     steps = np.array([exp.plan.steps_for(int(n)) for n in sizes], dtype=np.float64)
     out: dict[str, np.ndarray] = {}
     for t in (rnd.round, rnd.round + 1):
         at = RoundInfo(t, rnd.num_clients, rnd.cohort_size)
-        out.update({f"{t}:{k}": v for k, v in exp.alg.diagnostic_weightings(p, steps, at).items()})
+        out.update({f"{t}:{k}": v for k, v in weightings(p, steps, at).items()})
     return out
+
+
+def _estimate(exp: Experiment) -> EstimateFn:
+    """The algorithm's ``Diagnostics.estimate``; one line if it has none (the config refuses that setting)."""
+    estimate = Diagnostics.of(exp.alg).estimate
+    if estimate is None:
+        raise ValueError(f"diagnostics.every: {exp.alg.name} keeps no estimate to measure (FedAlgorithm.diagnostics)")
+    return estimate
 
 
 def _mean(per: list[dict[str, float]]) -> dict[str, float]:
@@ -184,15 +198,15 @@ def _mean(per: list[dict[str, float]]) -> dict[str, float]:
 def diagnose(
     exp: Experiment, msg: Any, rnd: RoundInfo, cohort: list[int], store: ClientStore, full: FullGradients, dtype: Any
 ) -> dict[str, float]:
-    """Cohort means of ``measure`` and ``errors`` for each sampled client's estimate (``alg.estimate``, from its
-    state before it trains; the aggregates in the parameters' ``dtype``), and ``diag/grad_norm`` =
+    """Cohort means of ``measure`` and ``errors`` for each sampled client's estimate (``Diagnostics.estimate``, from
+    its state before it trains; the aggregates in the parameters' ``dtype``), and ``diag/grad_norm`` =
     ||sum_j p_j grad f_j(w_t)||, the norm of grad Gamma(w_t)."""
-    alg, fed = exp.alg, exp.fed
+    estimate, fed = _estimate(exp), exp.fed
     aggs = full.aggregates(dtype, f"{rnd.round}:")
     per = []
     for cid in cohort:
         steps = exp.plan.steps_for(int(fed.sizes[cid]))
-        est = alg.estimate(msg, store.gather(cid), fed.client_info(cid), rnd, aggs, full.own[cid], steps)
+        est = estimate(msg, store.gather(cid), fed.client_info(cid), rnd, aggs, full.own[cid], steps)
         per.append({**measure(est.e, est.target, est.scale), **errors(est, "h"), "diag/ref_norm": _norm(est.reference)})
     out = _mean(per)
     out["diag/grad_norm"] = _norm(full.grad["data_size"])
@@ -204,17 +218,19 @@ def fresh(
 ) -> dict[str, float]:
     """Round t's fresh aggregate against the target at w_t (the pass of ``diagnose``): cohort means of cos, the
     steady-state error and Definition 1's error of the h each client of round t's cohort would build in round t+1
-    (``alg.estimate`` with round t+1's broadcast and each client's state after round t). Empty for estimates made
-    from the full gradient rather than from uploads (``needs_full_gradient``)."""
+    (``Diagnostics.estimate`` with round t+1's broadcast and each client's state after round t). Empty for
+    estimates made from the full gradient rather than from uploads (``needs_full_gradient``: round t+1's broadcast
+    would need the full gradient at w_{t+1}, which this pass at w_t is not)."""
     alg, fed = exp.alg, exp.fed
-    if alg.needs_full_gradient:
+    if Diagnostics.of(alg).needs_full_gradient:
         return {}
+    estimate = _estimate(exp)
     nxt = RoundInfo(rnd.round + 1, rnd.num_clients, rnd.cohort_size)
     msg, aggs = alg.broadcast(server, nxt), full.aggregates(dtype, f"{nxt.round}:")
     per = []
     for cid in cohort:
         steps = exp.plan.steps_for(int(fed.sizes[cid]))
-        est = alg.estimate(msg, store.gather(cid), fed.client_info(cid), nxt, aggs, full.own[cid], steps)
+        est = estimate(msg, store.gather(cid), fed.client_info(cid), nxt, aggs, full.own[cid], steps)
         cos = measure(est.e, est.target, est.scale)
         per.append({"diag/fresh_cos": cos["diag/h_cos"], **errors(est, "fresh"), "diag/fresh_norm": cos["diag/h_norm"]})
     return _mean(per)
@@ -235,17 +251,17 @@ def prepare_round(
     ``diag/*`` cohort means (else empty). The untimed seconds are the pass's when only the diagnostic needed it
     (the runner leaves them out of ``wall_s``); 0 when the algorithm needs the pass anyway.
     """
-    needs, diag = exp.alg.needs_full_gradient, is_diagnostic_round(exp, rnd.round)
-    if not (needs or diag):
+    attach, diag = Diagnostics.of(exp.alg).attach_full_gradient, is_diagnostic_round(exp, rnd.round)
+    if attach is None and not diag:
         return msg, {}, 0.0, None
     t0 = time.perf_counter()
     extra = diagnostic_weights(exp, rnd) if diag else None
     full = full_gradients(exp, params, rnd.round, keep=cohort if diag else (), extra=extra)
     dtype = params_dtype(params)
-    if needs:
-        msg = exp.alg.attach_full_gradient(msg, full.aggregates(dtype))
+    if attach is not None:
+        msg = attach(msg, full.aggregates(dtype))
     metrics: dict[str, float] = {}
     if diag:
         metrics = diagnose(exp, msg, rnd, cohort, store, full, dtype)
         metrics["diag/seconds"] = round(time.perf_counter() - t0, 4)
-    return msg, metrics, 0.0 if needs else time.perf_counter() - t0, full if diag else None
+    return msg, metrics, 0.0 if attach is not None else time.perf_counter() - t0, full if diag else None
