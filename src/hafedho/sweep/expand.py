@@ -37,7 +37,7 @@ class RunSpec:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.cfg.out) / self.name
+        return self.cfg.run_dir  # name is cfg.run_name
 
 
 def _split_overrides(
