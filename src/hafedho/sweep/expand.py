@@ -37,7 +37,7 @@ class RunSpec:
 
     @property
     def run_dir(self) -> Path:
-        return self.cfg.run_dir  # name is cfg.run_name
+        return Path(self.cfg.out) / self.name  # a spec's name is its directory's (expand: cfg.run_name)
 
 
 def _split_overrides(
