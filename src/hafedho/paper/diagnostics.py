@@ -41,13 +41,8 @@ def diagnostics_table(lay: Layout) -> list[Table]:
             runs = [run for run in (g.finished() if g else []) if run.evals(METRIC)]
             if not runs:
                 continue
-            err = [_early_late(run.evals(METRIC)) for run in runs]
+            e0, e1, verdict = _verdict([_early_late(run.evals(METRIC)) for run in runs], against_zero=True)
             cos = [_early_late(run.evals("diag/h_cos")) for run in runs]
-            (e0, m0, s0), (e1, m1, s1) = _pm([e for e, _ in err]), _pm([late for _, late in err])
-            margin = max(s0, s1) if len(runs) > 1 else 0.1 * abs(m0)
-            verdict = "decays" if m1 < m0 - margin else "grows" if m1 > m0 + margin else "flat"
-            if verdict == "decays" and m1 >= 1 - margin:  # toward 1, the error of h = 0, not toward 0
-                verdict = "decays to no better than h = 0"
             c0, c1 = _pm([c for c, _ in cos])[0], _pm([late for _, late in cos])[0]
             rows.append([Cell(lay.row_name(r)), Cell(lay.col_name(col)), Cell(str(len(runs))), Cell(e0), Cell(e1)])
             rows[-1] += [Cell(c0), Cell(c1), Cell(verdict)]
@@ -63,11 +58,15 @@ def diagnostics_table(lay: Layout) -> list[Table]:
     return [Table("diagnostics", f"Estimation error of h: {lay.section.title}", header, rows, note), *_pairings(lay)]
 
 
-def _verdict(err: list[tuple[float, float]]) -> tuple[str, str, str]:
-    """Early, late (mean ± std) and the decay verdict of ``diagnostics_table``, without the h = 0 clause."""
+def _verdict(err: list[tuple[float, float]], against_zero: bool = False) -> tuple[str, str, str]:
+    """Early, late (mean ± std over runs) and the decay verdict (``diagnostics_table``); ``against_zero`` adds its
+    "decays to no better than h = 0" clause for an error that h = 0 scores 1 on."""
     (e0, m0, s0), (e1, m1, s1) = _pm([e for e, _ in err]), _pm([late for _, late in err])
     margin = max(s0, s1) if len(err) > 1 else 0.1 * abs(m0)
-    return e0, e1, "decays" if m1 < m0 - margin else "grows" if m1 > m0 + margin else "flat"
+    verdict = "decays" if m1 < m0 - margin else "grows" if m1 > m0 + margin else "flat"
+    if against_zero and verdict == "decays" and m1 >= 1 - margin:  # toward 1, the error of h = 0, not toward 0
+        verdict = "decays to no better than h = 0"
+    return e0, e1, verdict
 
 
 def _pairings(lay: Layout) -> list[Table]:
