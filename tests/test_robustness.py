@@ -26,10 +26,12 @@ FINAL = {
 SPREAD = (-0.01, 0.0, 0.01)  # std 0.01: every gap above is 5+ std, the tie is exact
 
 
-def protocol_sweep(root: Path) -> None:
+def protocol_sweep(root: Path, rows: tuple[str, ...] = ("hafedho", "feddyn", "fedavg", "twin")) -> None:
     runs = []
     for (ds, proto), finals in FINAL.items():
         for row, acc in finals.items():
+            if row not in rows:
+                continue
             alg = "fedavgm" if row == "twin" else row
             label = "hafedho-twin" if row == "twin" else row
             for seed, d in enumerate(SPREAD):
@@ -73,6 +75,16 @@ def test_a_protocol_not_run_yet_is_not_robust(tmp_path: Path) -> None:
     (section,) = load_sections(tmp_path, last=1)
     rows = {r[0].text: [c.text for c in r[1:]] for r in robustness_table(Layout.of(section))[0].rows}
     assert rows["digits"][2] == "not run" and rows["digits"][-1].endswith("not run under main-long")
+
+
+def test_a_section_without_baselines_gets_no_robustness_table(tmp_path: Path) -> None:
+    """fig3's shape: HaFedHo and its twin only, under two protocols. There is no baseline to judge against, so the
+    table would read "not run" in every column; it is left out, and the verdict table too."""
+    protocol_sweep(tmp_path, rows=("hafedho", "twin"))
+    (section,) = load_sections(tmp_path, last=1)
+    assert robustness_table(Layout.of(section)) == []
+    md = write_report(tmp_path, tmp_path / "rep", last=1).markdown.read_text()
+    assert "Robustness:" not in md and "Verdict:" not in md and "| hafedho |" in md
 
 
 def test_protocols_main_head_and_moon_keeps_its_head(tmp_path: Path) -> None:

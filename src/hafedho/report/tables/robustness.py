@@ -11,6 +11,9 @@ plus, per protocol, the derived row's share of own's gain over the reference (``
 ``report.study``; the paper's: the twin's share of HaFedHo's gain over FedAvg), (derived - reference) /
 (own - reference), from the final means (only where own beats the reference's mean). A last row counts the robust
 settings.
+
+A section with no baseline in any column (fig3: HaFedHo against itself, phi against f) has no verdict to carry
+across protocols, so it gets no robustness table rather than one that reads "not run" everywhere.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def robustness_table(lay: Layout) -> list[Table]:
     names = s.names()
     heads = [display(AXIS, p, names, True) for p in protocols]
     settings = lay.columns_without(AXIS)
+    if not any(judge(lay, c) for c in lay.columns):  # no baseline anywhere: the study's verdict does not apply
+        return []
     rows, robust = [], 0
     for rest in settings:
         verdicts, shares = {}, []
