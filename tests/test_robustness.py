@@ -11,7 +11,7 @@ from hafedho.report.build import write_report
 from hafedho.report.layout import Layout
 from hafedho.report.runs import load_sections
 from hafedho.report.tables.robustness import ROBUST, robust_verdict, robustness_table
-from hafedho.report.tables.verdict import HOLDS, TIE
+from hafedho.report.tables.verdict import HOLDS, TIE, judge
 from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, SweepIndex, index_path, read_index, write_index
 from hafedho.sweep.presets import load_preset
@@ -85,6 +85,29 @@ def test_a_section_without_baselines_gets_no_robustness_table(tmp_path: Path) ->
     assert robustness_table(Layout.of(section)) == []
     md = write_report(tmp_path, tmp_path / "rep", last=1).markdown.read_text()
     assert "Robustness:" not in md and "Verdict:" not in md and "| hafedho |" in md
+
+
+@pytest.mark.parametrize("others", ["diverged", "not started"])
+def test_a_baseline_that_diverged_in_most_seeds_is_not_the_best(tmp_path: Path, others: str) -> None:
+    """FedAvgM's seed 0 scores 0.90, far above HaFedHo; its seeds 1-2 diverged (it failed: FedDyn is the best
+    baseline, and HaFedHo beats it) or have not run yet (then the verdict waits: 1 seed is not judged)."""
+    runs = []
+    for label, acc in (("hafedho", 0.60), ("feddyn", 0.50), ("fedavgm", 0.90)):
+        for seed, d in enumerate(SPREAD):
+            name = f"{label}-s{seed}"
+            if label == "fedavgm" and seed and others == "not started":
+                runs.append(IndexEntry(name, label, seed, {"algorithm.name": label}))
+                continue
+            status = "diverged" if label == "fedavgm" and seed else "done"
+            make_run(tmp_path, name, label, seed, [acc + d], status=status)
+            runs.append(IndexEntry(name, label, seed, {"algorithm.name": label}))
+    SweepIndex("table1", "cpu", "hand-made", ["algorithm.name"], ["algorithm.name"], {}, runs).write(tmp_path)
+    (section,) = load_sections(tmp_path, last=1)
+    (j,) = [judge(Layout.of(section), col) for col in Layout.of(section).columns]
+    if others == "diverged":
+        assert j.base_label == "feddyn" and j.text == HOLDS
+    else:
+        assert j.base_label == "fedavgm" and j.text == "not judged: 1 seed (needs 3)"
 
 
 def test_protocols_main_head_and_moon_keeps_its_head(tmp_path: Path) -> None:

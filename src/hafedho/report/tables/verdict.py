@@ -12,7 +12,10 @@ standard deviations over at least ``MIN_SEEDS`` seeds. Then
 
 Baselines are the layout's (``Layout.is_baseline``: no reference, no derived row, no row running the own method
 under another label); the derived row is the one the sweep made with ``of = OWN``. A label split into several
-rows by a hyperparameter (fig3's mu) counts with its best row. The paper's study: HaFedHo and its momentum twin.
+rows by a hyperparameter (fig3's mu) counts with its best row. A baseline that divergence alone leaves short of
+``MIN_SEEDS`` finished seeds (every seed either diverged or finished, fewer than 3 finished) is not a candidate for
+the best baseline: it failed in most seeds, and its surviving seed is not its score. One whose seeds have not all
+run yet still is, so the verdict waits for them. The paper's study: HaFedHo and its momentum twin.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ FAILS = "does not hold"
 def beats(a: Stat, b: Stat) -> bool:
     """``a`` is higher than ``b`` by more than the larger of their standard deviations."""
     return a.mean - b.mean > max(a.std, b.std)
+
+
+def ranks(st: Stat) -> bool:
+    """``st`` can be the best baseline: enough finished seeds, or seeds still to come, or no divergence."""
+    return st.n >= MIN_SEEDS or not st.diverged or st.n + st.diverged + st.missing < st.total
 
 
 def matches_text(study: Study) -> str:
@@ -75,7 +83,7 @@ def judge(lay: Layout, col: dict) -> Judged | None:
     twin_label = next((t for t, of in s.derived.items() if of == s.study.own), None)
     best = {lab: best_of(lay, lab, col) for lab in labels}
     own = best.get(s.study.own)
-    baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n]
+    baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n and ranks(st)]
     if own is None or not own.n or not baselines:
         return None
     base, base_label = max(baselines, key=lambda t: t[0].mean)
@@ -110,7 +118,7 @@ def verdict_table(lay: Layout) -> list[Table]:
     note = (
         f"final {s.metric_label} (%), mean ± std over seeds; a difference counts only when it exceeds the larger "
         f"of the two standard deviations over at least {MIN_SEEDS} seeds; a label with several rows counts with "
-        "its best"
+        f"its best; a baseline whose divergence leaves it fewer than {MIN_SEEDS} finished seeds is not the best"
     )
     return [Table("verdict", f"Verdict: {s.title}", header, rows, note)]
 
