@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from test_report import make_run
 
+from hafedho.config import ConfigError
 from hafedho.report.build import write_report
 from hafedho.report.layout import Layout
 from hafedho.report.runs import load_sections
@@ -108,6 +109,60 @@ def test_a_baseline_that_diverged_in_most_seeds_is_not_the_best(tmp_path: Path, 
         assert j.base_label == "feddyn" and j.text == HOLDS
     else:
         assert j.base_label == "fedavgm" and j.text == "not judged: 1 seed (needs 3)"
+
+
+CURVES = {  # test/acc per round, the same for seeds 0-2; FedAvg's final (last = 1) is 0.40, the 100% target
+    "fedavg": [0.1, 0.2, 0.3, 0.4],  # reaches 0.40 at round 4
+    "hafedho": [0.2, 0.45, 0.5, 0.5],  # at 2
+    "feddyn": [0.1, 0.3, 0.41, 0.5],  # at 3: the fastest baseline that every seed brought there
+    "twin": [0.1, 0.3, 0.45, 0.5],  # at 3
+}
+
+
+def test_a_rounds_verdict_judges_fewer_rounds_and_skips_rows_some_seed_never_brought_there(tmp_path: Path) -> None:
+    """``[report] verdict = "rounds"`` (Table 2): HaFedHo reaches FedAvg's final accuracy at round 2, FedDyn at 3,
+    so it holds; FedProx reaches it at round 1 in two seeds but never in the third, so it is not the fastest.
+    Under head the twin reaches it at round 2 too, so there the twin matches HaFedHo."""
+    runs = []
+    for protocol in ("main", "head"):
+        curves = {**CURVES, "fedprox": [0.5, 0.5, 0.5, 0.5]}
+        if protocol == "head":
+            curves["twin"] = [0.2, 0.45, 0.5, 0.5]
+        for label, accs in curves.items():
+            alg = "fedavgm" if label == "twin" else label
+            name_label = "hafedho-twin" if label == "twin" else label
+            for seed in range(3):
+                bad = label == "fedprox" and seed == 2
+                name = f"{name_label}-{protocol}-s{seed}"
+                model = {"options": {"projection": 256 if protocol == "head" else 0}}
+                make_run(tmp_path, name, alg, seed, [0.1] * 4 if bad else accs, model=model)
+                runs.append(IndexEntry(name, name_label, seed, {"protocol": protocol, "algorithm.name": alg}))
+    twins = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
+    axes = ["protocol", "algorithm.name"]
+    SweepIndex("table2", "cpu", "", axes, ["algorithm.name"], {"verdict": "rounds"}, runs, derived=twins).write(
+        tmp_path
+    )
+    (section,) = load_sections(tmp_path, last=1)
+    lay = Layout.of(section)
+    main, head = (judge(lay, col) for col in lay.columns)
+    assert main.base_label == "feddyn" and (-main.own.mean, -main.base.mean, -main.twin.mean) == (2, 3, 3)
+    assert main.text == HOLDS and head.text.startswith("holds, but the twin matches it")
+    (table,) = robustness_table(lay)
+    # the twin's share of the rounds HaFedHo saves over FedAvg: (4 - 3) / (4 - 2) = 50% under main, 100% under head
+    assert [c.text for c in table.rows[0][1:3]] == [HOLDS, head.text]
+    assert [c.text for c in table.rows[0][3:5]] == ["50%", "100%"]
+    md = write_report(tmp_path, tmp_path / "rep", last=1).markdown.read_text()
+    assert "| main | 2 rounds | feddyn: 3 rounds | 3 rounds | holds |" in md.replace(".0 ± 0.0", "")
+
+
+def test_an_unknown_verdict_measure_is_one_config_error(tmp_path: Path) -> None:
+    protocol_sweep(tmp_path)
+    index = read_index(index_path(tmp_path, "table1"))
+    index.report = {"verdict": "speed"}
+    index.write(tmp_path)
+    (section,) = load_sections(tmp_path, last=1)
+    with pytest.raises(ConfigError, match=r'report.verdict: .speed. is not a measure; use "final" or "rounds"'):
+        robustness_table(Layout.of(section))
 
 
 def test_protocols_main_head_and_moon_keeps_its_head(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from hafedho.report.layout import Layout, display
 from hafedho.report.table import Cell, Table
-from hafedho.report.tables.verdict import HOLDS, MIN_SEEDS, best_of, judge
+from hafedho.report.tables.verdict import HOLDS, MIN_SEEDS, by_rounds, judge, measure_of
 
 AXIS = "protocol"
 ROBUST = "holds (robust)"
@@ -40,7 +40,7 @@ def twin_share(lay: Layout, col: dict[str, Any]) -> str:
     """(derived - reference) / (own - reference) in this column, as a percentage; why not where it is undefined."""
     study = lay.section.study
     j = judge(lay, col)
-    ref = best_of(lay, study.reference, col) if study.reference else None
+    ref = measure_of(lay, study.reference, col) if study.reference else None
     if j is None or j.twin is None or ref is None or not ref.n:
         return "—"
     gain = j.own.mean - ref.mean
@@ -81,6 +81,7 @@ def robustness_table(lay: Layout) -> list[Table]:
     note = (
         f"the verdict table's rule (>= {MIN_SEEDS} seeds, a difference beyond the larger std) under each protocol; "
         f'"{ROBUST}" only where it holds under every one; {noun} share = ({noun} - {ref}) / ({own} - {ref}) of the '
-        f"final means: how much of {own}'s gain over {ref} {study.derived.share}"
+        f"{'mean rounds to target' if by_rounds(lay) else 'final means'}: how much of {own}'s gain over {ref} "
+        f"{study.derived.share}"
     )
     return [Table("robustness", f"Robustness: {s.title}", header, rows, note)]

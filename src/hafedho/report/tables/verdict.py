@@ -16,6 +16,12 @@ rows by a hyperparameter (fig3's mu) counts with its best row. A baseline that d
 ``MIN_SEEDS`` finished seeds (every seed either diverged or finished, fewer than 3 finished) is not a candidate for
 the best baseline: it failed in most seeds, and its surviving seed is not its score. One whose seeds have not all
 run yet still is, so the verdict waits for them. The paper's study: HaFedHo and its momentum twin.
+
+What is compared is the section's measure, ``[report] verdict``: "final" (default) the final value of the metric,
+higher is better; "rounds" the rounds to reach the column's highest target (``to_target.targets_for``; at CPU
+scale 100% of FedAvg's final accuracy), fewer is better, over rows whose every ended seed reached it (a row that
+some seed never brought there is slower than one that all did). Rounds are kept negated in the ``Stat``, so one
+rule, "higher wins by more than the larger std", serves both.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hafedho.config import ConfigError
 from hafedho.report.layout import Layout, pct
-from hafedho.report.stats import Stat, accuracy_stat
+from hafedho.report.stats import Stat, accuracy_stat, rounds_stat
 from hafedho.report.study import Study
 from hafedho.report.table import Cell, Table
+from hafedho.report.tables.to_target import targets_for
 
 MIN_SEEDS = 3
 
@@ -81,7 +89,7 @@ def judge(lay: Layout, col: dict) -> Judged | None:
     labels = {r[0] for r in lay.rows}
     base_labels = {r[0] for r in lay.rows if lay.is_baseline(r)}
     twin_label = next((t for t, of in s.derived.items() if of == s.study.own), None)
-    best = {lab: best_of(lay, lab, col) for lab in labels}
+    best = {lab: measure_of(lay, lab, col) for lab in labels}
     own = best.get(s.study.own)
     baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n and ranks(st)]
     if own is None or not own.n or not baselines:
@@ -107,16 +115,17 @@ def verdict_table(lay: Layout) -> list[Table]:
         rows.append(
             [
                 Cell(lay.col_name(col) if lay.col_keys else s.title),
-                Cell(pct(j.own)),
-                Cell(f"{lay.section.names().get(j.base_label, j.base_label)}: {pct(j.base)}"),
-                Cell(pct(j.twin) if j.twin is not None else "none"),
+                Cell(show(lay, j.own)),
+                Cell(f"{lay.section.names().get(j.base_label, j.base_label)}: {show(lay, j.base)}"),
+                Cell(show(lay, j.twin) if j.twin is not None else "none"),
                 Cell(j.text),
             ]
         )
     if not rows:
         return []
+    what = f"final {s.metric_label} (%)" if not by_rounds(lay) else f"rounds to the highest target {s.metric_label}"
     note = (
-        f"final {s.metric_label} (%), mean ± std over seeds; a difference counts only when it exceeds the larger "
+        f"{what}, mean ± std over seeds; a difference counts only when it exceeds the larger "
         f"of the two standard deviations over at least {MIN_SEEDS} seeds; a label with several rows counts with "
         f"its best; a baseline whose divergence leaves it fewer than {MIN_SEEDS} finished seeds is not the best"
     )
@@ -128,3 +137,35 @@ def best_of(lay: Layout, label: str, col: dict) -> Stat | None:
     stats = [accuracy_stat(g, s.metric, s.last) for r in lay.rows if r[0] == label and (g := lay.group_at(r, col))]
     stats = [st for st in stats if math.isfinite(st.mean)]
     return max(stats, key=lambda st: st.mean) if stats else None
+
+
+def by_rounds(lay: Layout) -> bool:
+    """The section judges rounds to target (``[report] verdict = "rounds"``), not the final value."""
+    how = lay.section.report.get("verdict", "final")
+    if how not in ("final", "rounds"):
+        raise ConfigError(f'report.verdict: {how!r} is not a measure; use "final" or "rounds"')
+    return how == "rounds"
+
+
+def measure_of(lay: Layout, label: str, col: dict) -> Stat | None:
+    """``label``'s best row under the section's measure: the final value, or minus the rounds to the column's
+    highest target among rows whose every ended seed reached it (None where no row did)."""
+    if not by_rounds(lay):
+        return best_of(lay, label, col)
+    targets, _ = targets_for(lay, col)
+    if not targets:
+        return None
+    stats = [
+        rounds_stat(g, lay.section.metric, targets[-1])
+        for r in lay.rows
+        if r[0] == label and (g := lay.group_at(r, col))
+    ]
+    stats = [Stat([-v for v in st.values], st.total, st.diverged) for st in stats if st.total and st.n == st.total]
+    return max(stats, key=lambda st: st.mean) if stats else None
+
+
+def show(lay: Layout, st: Stat) -> str:
+    """A measured value as the verdict table reads it: percent, or rounds."""
+    if not by_rounds(lay):
+        return pct(st)
+    return f"{-st.mean:.1f} ± {st.std:.1f} rounds" if st.n > 1 else f"{-st.mean:.0f} rounds"
