@@ -22,7 +22,7 @@ from typing import Any
 
 from hafedho.report.layout import Layout, display
 from hafedho.report.table import Cell, Table
-from hafedho.report.tables.verdict import HOLDS, MIN_SEEDS, by_rounds, judge, measure_of
+from hafedho.report.tables.verdict import HOLDS, MIN_SEEDS, Judged, best_of, by_rounds, judge
 
 AXIS = "protocol"
 ROBUST = "holds (robust)"
@@ -36,11 +36,11 @@ def robust_verdict(verdicts: dict[str, str]) -> str:
     return "not robust: " + "; ".join(f"{v} under {p}" for p, v in verdicts.items())
 
 
-def twin_share(lay: Layout, col: dict[str, Any]) -> str:
-    """(derived - reference) / (own - reference) in this column, as a percentage; why not where it is undefined."""
+def twin_share(lay: Layout, col: dict[str, Any], j: Judged | None) -> str:
+    """(derived - reference) / (own - reference) in this column (``j``: its verdict), as a percentage; why not where
+    it is undefined."""
     study = lay.section.study
-    j = judge(lay, col)
-    ref = measure_of(lay, study.reference, col) if study.reference else None
+    ref = best_of(lay, study.reference, col) if study.reference else None
     if j is None or j.twin is None or ref is None or not ref.n:
         return "—"
     gain = j.own.mean - ref.mean
@@ -59,16 +59,17 @@ def robustness_table(lay: Layout) -> list[Table]:
     names = s.names()
     heads = [display(AXIS, p, names, True) for p in protocols]
     settings = lay.columns_without(AXIS)
-    if not any(judge(lay, c) for c in lay.columns):  # no baseline anywhere: the study's verdict does not apply
+    judged = [(c, judge(lay, c)) for c in lay.columns]  # each column judged once
+    if not any(j for _, j in judged):  # no baseline anywhere: the study's verdict does not apply
         return []
     rows, robust = [], 0
     for rest in settings:
         verdicts, shares = {}, []
         for p, head in zip(protocols, heads, strict=True):
             col = {**rest, AXIS: p}
-            j = judge(lay, col) if col in lay.columns else None
+            j = next((j for c, j in judged if c == col), None)
             verdicts[head] = j.text if j is not None else NOT_RUN
-            shares.append(twin_share(lay, col) if j is not None else "—")
+            shares.append(twin_share(lay, col, j) if j is not None else "—")
         overall = robust_verdict(verdicts)
         robust += overall == ROBUST
         name = lay.col_name(rest) if rest else s.title

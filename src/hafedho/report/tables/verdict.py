@@ -89,7 +89,7 @@ def judge(lay: Layout, col: dict) -> Judged | None:
     labels = {r[0] for r in lay.rows}
     base_labels = {r[0] for r in lay.rows if lay.is_baseline(r)}
     twin_label = next((t for t, of in s.derived.items() if of == s.study.own), None)
-    best = {lab: measure_of(lay, lab, col) for lab in labels}
+    best = {lab: best_of(lay, lab, col) for lab in labels}
     own = best.get(s.study.own)
     baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n and ranks(st)]
     if own is None or not own.n or not baselines:
@@ -132,13 +132,6 @@ def verdict_table(lay: Layout) -> list[Table]:
     return [Table("verdict", f"Verdict: {s.title}", header, rows, note)]
 
 
-def best_of(lay: Layout, label: str, col: dict) -> Stat | None:
-    s = lay.section
-    stats = [accuracy_stat(g, s.metric, s.last) for r in lay.rows if r[0] == label and (g := lay.group_at(r, col))]
-    stats = [st for st in stats if math.isfinite(st.mean)]
-    return max(stats, key=lambda st: st.mean) if stats else None
-
-
 def by_rounds(lay: Layout) -> bool:
     """The section judges rounds to target (``[report] verdict = "rounds"``), not the final value."""
     how = lay.section.report.get("verdict", "final")
@@ -147,20 +140,19 @@ def by_rounds(lay: Layout) -> bool:
     return how == "rounds"
 
 
-def measure_of(lay: Layout, label: str, col: dict) -> Stat | None:
-    """``label``'s best row under the section's measure: the final value, or minus the rounds to the column's
-    highest target among rows whose every ended seed reached it (None where no row did)."""
+def best_of(lay: Layout, label: str, col: dict) -> Stat | None:
+    """``label``'s best row in ``col`` under the section's measure: its final value, or minus its rounds to the
+    column's highest target among rows whose every ended seed reached it (None where no row counts)."""
+    s = lay.section
+    groups = [g for r in lay.rows if r[0] == label and (g := lay.group_at(r, col))]
     if not by_rounds(lay):
-        return best_of(lay, label, col)
-    targets, _ = targets_for(lay, col)
-    if not targets:
-        return None
-    stats = [
-        rounds_stat(g, lay.section.metric, targets[-1])
-        for r in lay.rows
-        if r[0] == label and (g := lay.group_at(r, col))
-    ]
-    stats = [Stat([-v for v in st.values], st.total, st.diverged) for st in stats if st.total and st.n == st.total]
+        stats = [accuracy_stat(g, s.metric, s.last) for g in groups]
+        stats = [st for st in stats if math.isfinite(st.mean)]
+    elif groups and (targets := targets_for(lay, col)[0]):
+        reached = [st for g in groups if (st := rounds_stat(g, s.metric, targets[-1])).total and st.n == st.total]
+        stats = [Stat([-v for v in st.values], st.total, st.diverged) for st in reached]
+    else:
+        stats = []
     return max(stats, key=lambda st: st.mean) if stats else None
 
 
