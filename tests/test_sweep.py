@@ -307,6 +307,26 @@ def test_sweep_cli_parallel_failures_and_dry_run(tmp_path: Path, capsys: pytest.
     assert main(["sweep", "nope"]) == 2
 
 
+def test_sweep_skip_rows_leaves_a_row_out_but_keeps_it_in_the_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--skip-rows``: the named row's runs are not run (nor listed by --dry-run), the index lists the whole preset,
+    and a label that is not a row ends in one line naming the rows."""
+    path = tiny(tmp_path)
+    assert main(["sweep", str(path), "--quiet", "--skip-rows", "hafedho", "rounds=2"]) == 0
+    index = json.loads((tmp_path / "runs-cpu" / "sweeps" / "tiny.json").read_text())
+    runs = {r["dir"]: r["label"] for r in index["runs"]}
+    done = {d for d in runs if (tmp_path / "runs-cpu" / d / "done").exists()}
+    assert {runs[d] for d in done} == {"fedavg"} and "hafedho" in runs.values()
+    capsys.readouterr()
+    assert main(["sweep", str(path), "--dry-run", "--skip-rows", "hafedho", "rounds=2"]) == 0
+    out = capsys.readouterr().out
+    assert "hafedho-" not in out and out.count("done ") == len(done)
+    assert main(["sweep", str(path), "--skip-rows", "fedavg,nope", "rounds=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--skip-rows nope: not a row" in err and "fedavg, hafedho" in err
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
 def test_sweep_workers_exit_when_the_sweep_is_killed(tmp_path: Path) -> None:
     """SIGKILL reaches the sweep process only; its busy worker must not go on writing into a run directory."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from hafedho.config import CONFIG_DIR, ConfigError, load_config
 
 if TYPE_CHECKING:  # Ray is optional: the backend's module is imported only for --backend ray
+    from hafedho.sweep.expand import RunSpec
     from hafedho.sweep.ray_backend import RayBackend
 
 
@@ -67,6 +68,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _skip_rows(text: str | None, specs: list[RunSpec]) -> set[str]:
+    """``--skip-rows A,B``: row labels of the preset whose runs this sweep leaves out (the index still lists them)."""
+    skip = {t.strip() for t in (text or "").split(",") if t.strip()}
+    rows = {s.label for s in specs}
+    if unknown := sorted(skip - rows):
+        have = ", ".join(sorted(rows))
+        raise ConfigError(f"--skip-rows {', '.join(unknown)}: not a row of this sweep (its rows: {have})")
+    return skip
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from hafedho.sweep.browse import refresh_results_index, write_results_index
     from hafedho.sweep.execute import Outcome, run_status, run_sweep
@@ -86,6 +97,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs {args.jobs}: runs in parallel must be at least 1 (default 1)")
     preset = load_preset(args.preset, args.scale)
     specs = expand(preset, args.seeds, args.overrides, args.out)
+    skip = _skip_rows(args.skip_rows, specs)
+    specs = [s for s in specs if s.label not in skip]
     out = Path(args.out or preset.out)
     if args.dry_run:
         for s in specs:
@@ -100,7 +113,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     # The index lists the whole preset even when this sweep runs part of it (some values of an axis, fewer seeds)
     changing = changing_overrides(preset, args.overrides)
     seeds = None if args.seeds is None else max(args.seeds, preset.seeds)
-    partial = changing != list(args.overrides) or seeds != args.seeds
+    partial = changing != list(args.overrides) or seeds != args.seeds or bool(skip)
     listed = expand(preset, seeds, changing, args.out) if partial else specs
     write_index(preset, listed, out)
 
@@ -219,6 +232,11 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--scale", choices=("cpu", "full"), default="cpu", help="cpu (default) or the paper's full scale")
     sw.add_argument("--out", help="folder for the run directories (default: the preset's, e.g. results/paper-cpu)")
     sw.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
+    sw.add_argument(
+        "--skip-rows",
+        metavar="LABELS",
+        help="comma-separated row labels whose runs to leave out (e.g. a costly variant); the index still lists them",
+    )
     sw.add_argument("--quiet", action="store_true", help="no progress bar or per-run lines")
     sw.set_defaults(func=cmd_sweep)
     sub.add_parser("algorithms", help="list algorithms and hyperparameters").set_defaults(func=cmd_algorithms)
