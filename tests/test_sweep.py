@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -486,6 +487,61 @@ def test_tuned_lr_is_each_algorithms_own() -> None:
             assert "lr" not in s.cfg.algorithm and settings["lr"] == chosen[f"algorithm.{name}.lr"]
     lrs = {resolve_algorithm(s.cfg.algorithm)[1]["lr"] for s in expand(load_preset("tune"), seeds=1)}
     assert lrs == set(read_toml(PRESET_DIR / "tune.toml")["grid"]["algorithm.lr"])
+
+
+def test_scaled_bundles(tmp_path: Path) -> None:
+    """``scaled = {of, by}``: the named bundle's numbers (its ``when`` rules' too) times the factor, the bundle's own
+    keys over that, resolved per scale; a bad form, an unknown bundle or a cycle is one error naming the bundle."""
+    extra = """
+[bundles.lr."1x"]
+"clients.local_steps" = 4
+"sampling.mode" = "fixed"
+[bundles.lr."1x".when."algorithm.name=fedavg"]
+"algorithm.lr" = 0.3
+[bundles.lr."0.5x"]
+scaled = {of = "1x", by = 0.5}
+"clients.local_steps" = 3
+[bundles.lr."0.25x"]
+scaled = {of = "0.5x", by = 0.5}
+"clients.local_steps" = 2
+[scale.full.bundles.lr."1x".when."algorithm.name=fedavg"]
+"algorithm.lr" = 0.7
+"""
+    path = tiny(tmp_path, grid='"algorithm.name" = ["hafedho", "fedavg"]\nlr = ["1x", "0.5x", "0.25x"]', extra=extra)
+    for scale, fedavg_lr in (("cpu", 0.3), ("full", 0.7)):
+        got = {
+            (s.label, s.point["lr"]): (s.cfg.algorithm.get("lr"), s.cfg.clients.local_steps, s.cfg.sampling.mode)
+            for s in expand(load_preset(str(path), scale), seeds=1)
+        }
+        assert got[("fedavg", "1x")] == (fedavg_lr, 4, "fixed")
+        assert got[("fedavg", "0.5x")] == (fedavg_lr / 2, 3, "fixed")  # its own local_steps wins; strings stay
+        assert got[("fedavg", "0.25x")] == (fedavg_lr / 4, 2, "fixed")  # a chain scales the resolved bundle
+        assert got[("hafedho", "0.5x")] == (0.1, 3, "fixed")  # base's lr: not part of any bundle
+    bad = {
+        'scaled = {of = "1x"}': "write scaled = {of",
+        'scaled = {of = "1x", by = true}': "FACTOR a number",
+        'scaled = {of = "3x", by = 2}': "of = '3x' is not a bundle of lr; known: 1x, 0.5x",
+        'scaled = {of = "0.5x", by = 2}': "forms a cycle (0.5x -> 0.5x)",
+    }
+    for line, message in bad.items():
+        text = f'[bundles.lr."1x"]\n[bundles.lr."0.5x"]\n{line}\n'
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_preset(str(tiny(tmp_path, grid='lr = ["1x", "0.5x"]', extra=text)))
+
+
+def test_tune_long_lrs_are_multiples_of_the_30_round_picks() -> None:
+    """tune-long's lr axis is {0.125x, ..., 2x} of each method's 30-round lr in _tuned.toml, on every data set."""
+    chosen = _tuned_cpu()
+    specs = expand(
+        load_preset("tune-long-writers"), seeds=1, overrides=['dataset=["femnist", "cifar10", "femnist_writers"]']
+    )
+    seen = set()
+    for s in specs:
+        name, settings = resolve_algorithm(s.cfg.algorithm)
+        factor = float(s.point["lr"].rstrip("x"))
+        assert settings["lr"] == factor * chosen[s.point["dataset"]][f"algorithm.{name}.lr"], s.name
+        seen.add((s.point["dataset"], s.point["lr"]))
+    assert len(seen) == 3 * 5
 
 
 def test_momentum_runs_fedavgm_at_hafedhos_lr() -> None:

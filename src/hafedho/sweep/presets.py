@@ -4,10 +4,16 @@ A bundle (``[bundles.AXIS.VALUE]``) may hold ``when`` rules: ``[bundles.AXIS.VAL
 table of overrides applied only to runs where every condition holds (KEY: a grid axis of the point or a config
 key such as ``algorithm.name``), after every bundle and before config-key axes, variant sets and overrides. They
 express what depends on two choices, e.g. MOON keeping its head under the main protocol, or a value tuned per
-dataset and horizon (``_tuned_long.toml``)."""
+dataset and horizon (``_tuned_long.toml``).
+
+A bundle may also be ``scaled = {of = "VALUE", by = FACTOR}``: bundle VALUE of the same axis with every number
+in it (its ``when`` rules too) multiplied by FACTOR, and the bundle's own keys merged over that. A grid of lrs at
+0.5x and 2x of tuned ones then states the tuned ones once (``tune-long.toml``). It is resolved as the preset
+loads, after ``[scale.SCALE]`` is merged, so every reader sees plain bundles."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,10 +173,49 @@ def load_preset(name: str, scale: str = "cpu") -> Preset:
         grid[axis] = values
     table = deep_merge(table, over)
     table["grid"] = grid
+    if "bundles" in table:
+        table["bundles"] = {a: _resolve_scaled(path, a, values) for a, values in table["bundles"].items()}
     for axis, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{path}: grid.{axis} must be a non-empty list of values")
     return Preset(path.stem, scale, path, table)
+
+
+def _resolve_scaled(path: Path, axis: str, bundles: dict[str, Any]) -> dict[str, Any]:
+    """The axis's bundles with each ``scaled = {of, by}`` replaced by what it names (module docstring)."""
+    done: dict[str, dict[str, Any]] = {}
+
+    def resolve(value: str, chain: tuple[str, ...]) -> dict[str, Any]:
+        if value in done:
+            return done[value]
+        table = copy.deepcopy(bundles[value])
+        spec = table.pop("scaled", None)
+        if spec is not None:
+            where = f"{path}: [bundles.{axis}.{value}] scaled"
+            by = spec.get("by") if isinstance(spec, dict) else None
+            if not isinstance(spec, dict) or set(spec) != {"of", "by"} or not _is_number(by):
+                raise ConfigError(f'{where}: write scaled = {{of = "VALUE", by = FACTOR}}, FACTOR a number')
+            of = str(spec["of"])
+            if of not in bundles:
+                raise ConfigError(f"{where}: of = {of!r} is not a bundle of {axis}; known: {', '.join(bundles)}")
+            if of in (*chain, value):
+                raise ConfigError(f"{where}: of = {of!r} forms a cycle ({' -> '.join((*chain, value, of))})")
+            table = deep_merge(_times(resolve(of, (*chain, value)), by), table)
+        done[value] = table
+        return table
+
+    return {value: resolve(value, ()) for value in bundles}
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _times(table: dict[str, Any], factor: float) -> dict[str, Any]:
+    """Every number in a nested table multiplied by ``factor`` (strings, booleans and lists left as they are)."""
+    return {
+        k: _times(v, factor) if isinstance(v, dict) else v * factor if _is_number(v) else v for k, v in table.items()
+    }
 
 
 def is_config_key(axis: str) -> bool:
