@@ -201,7 +201,7 @@ def test_tune_ideal_preset_tunes_each_ideals_mu_on_validation() -> None:
     preset = load_preset("tune_ideal", "cpu")
     specs = expand(preset)
     got = {(s.cfg.algorithm["hafedho"]["h_source"], s.cfg.algorithm["hafedho"]["mu"]) for s in specs}
-    assert got == {("exact", m) for m in (0.02, 0.08, 0.2, 0.4)} | {("exact_matched", m) for m in (0.02, 0.05, 0.08)}
+    assert got == {("exact", m) for m in (0.01, 0.02, 0.08)} | {("exact_matched", m) for m in (0.02, 0.05)}
     assert all(s.cfg.data.local_test_fraction == 0.1 and s.cfg.data.source == "cifar10" for s in specs)
     assert all(s.cfg.rounds == 100 and s.cfg.algorithm["lr"] == 0.05 for s in specs)
     assert all(10 * s.cfg.algorithm["hafedho"]["mu"] < 1 for s in specs if "matched" in str(s.point))
