@@ -385,17 +385,19 @@ def test_estimation_preset() -> None:
 def test_ideal_preset_reads_converges_cifar10_runs() -> None:
     """`ideal` at cpu scale is converge's CIFAR-10 HaFedHo, twin, exact and FedAvg runs (the same run directories,
     so neither preset reruns the other's runs) read at 100 rounds instead of 300, plus its own ideals at mu = 0.02
-    and at the practical h's strength (h_source = "exact_matched")."""
+    and at the practical h's strength (h_source = "exact_matched"), at HaFedHo's mu and at its own tuned 0.02."""
     from hafedho.sweep.expand import expand
     from hafedho.sweep.presets import load_preset
 
     ideal = expand(load_preset("ideal", "cpu"))
     converge = {s.name: s for s in expand(load_preset("converge", "cpu"))}
     labels = {"hafedho", "hafedho-twin", "hafedho-exact", "fedavg", "hafedho-exact-mu-0.02", "hafedho-exact-matched"}
-    assert len(ideal) == 6 * 3 and {s.label for s in ideal} == labels
-    small = [s for s in ideal if s.label == "hafedho-exact-mu-0.02"]  # the ablation, ideal's own
-    matched = [s for s in ideal if s.label == "hafedho-exact-matched"]  # ideal's own too
+    labels.add("hafedho-exact-matched-mu-0.02")
+    assert len(ideal) == 7 * 3 and {s.label for s in ideal} == labels
+    small = [s for s in ideal if s.label == "hafedho-exact-mu-0.02"]  # the exact ideal's tuned mu, ideal's own
+    matched = [s for s in ideal if s.label.startswith("hafedho-exact-matched")]  # ideal's own too
     assert all(s.cfg.algorithm["hafedho"]["h_source"] == "exact_matched" for s in matched)
+    assert {s.cfg.algorithm["hafedho"]["mu"] for s in matched} == {0.08, 0.02}
     small += matched
     assert all(
         s.cfg.algorithm["hafedho"]["mu"] == 0.02 and s.cfg.algorithm["hafedho"]["h_source"] == "exact"
