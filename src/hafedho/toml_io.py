@@ -19,6 +19,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
 
 
+def is_number(value: Any) -> bool:
+    """A TOML number: an int or a float, never a bool (which Python counts as an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """``extra`` over ``base``, tables merged key by key (neither is changed)."""
     out = dict(base)

@@ -17,10 +17,7 @@ from hafedho.config import Config, flatten
 from hafedho.report.layout import Layout, display
 from hafedho.report.runs import Run
 from hafedho.report.stats import accuracy_stat
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+from hafedho.toml_io import is_number
 
 
 def _panels(n: int, width: float = 4.2, height: float = 3.2) -> tuple[Any, list[Any]]:
@@ -230,7 +227,7 @@ def twin_points(lay: Layout, label: str, key: str, col: dict[str, Any]) -> dict[
         for r in (r for r in lay.rows if r[0] == twin):
             g = lay.group_at(r, col)
             st = accuracy_stat(g, s.metric, s.last) if g is not None else None
-            if st is not None and st.n and _is_number(g.hyper.get(view.value)):
+            if st is not None and st.n and is_number(g.hyper.get(view.value)):
                 pts.append((float(g.hyper[view.value]) / _config_value(g.runs[0].config, view.divide_by), *_pct(st)))
         if pts:
             out[s.study.derived_name(label)] = sorted(pts)
@@ -250,7 +247,7 @@ def _config_value(config: dict[str, Any], key: str) -> float:
         value = value.get(part) if isinstance(value, dict) else None
     if value is None:
         value = flatten(Config().to_dict()).get(key)
-    return float(value) if _is_number(value) else 1.0
+    return float(value) if is_number(value) else 1.0
 
 
 DIAGNOSTICS = (("diag/h_cos", "cos(h, target)"), ("diag/h_rel_err", "relative error of h / s"))
@@ -297,14 +294,14 @@ def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Pa
         made.append(p)
     for key in lay.col_keys:
         values = {col[key] for col in lay.columns}  # hashable: lists and tables are frozen (runs.freeze)
-        if len(values) > 1 and all(_is_number(v) for v in values):
+        if len(values) > 1 and all(is_number(v) for v in values):
             short = key.rsplit(".", 1)[-1]
             if (p := versus_setting(lay, key, out_dir / f"{prefix}vs_{short}.png")) is not None:
                 made.append(p)
     for label, keys in lay.row_hyper_keys.items():
         for key in keys:
             values = {dict(r[1]).get(key) for r in lay.rows if r[0] == label}
-            if len(values) > 1 and all(_is_number(v) for v in values):
+            if len(values) > 1 and all(is_number(v) for v in values):
                 short = key.rsplit(".", 1)[-1]
                 if (p := versus_hyper(lay, label, key, out_dir / f"{prefix}{label}_vs_{short}.png")) is not None:
                     made.append(p)

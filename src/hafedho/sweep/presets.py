@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hafedho.config import CONFIG_DIR, Config, ConfigError
-from hafedho.toml_io import deep_merge, read_toml
+from hafedho.toml_io import deep_merge, is_number, read_toml
 
 PRESET_DIR = CONFIG_DIR / "paper"
 SCALES = ("cpu", "full")
@@ -193,7 +193,7 @@ def _resolve_scaled(path: Path, axis: str, bundles: dict[str, Any]) -> dict[str,
         if spec is not None:
             where = f"{path}: [bundles.{axis}.{value}] scaled"
             by = spec.get("by") if isinstance(spec, dict) else None
-            if not isinstance(spec, dict) or set(spec) != {"of", "by"} or not _is_number(by):
+            if not isinstance(spec, dict) or set(spec) != {"of", "by"} or not is_number(by):
                 raise ConfigError(f'{where}: write scaled = {{of = "VALUE", by = FACTOR}}, FACTOR a number')
             of = str(spec["of"])
             if of not in bundles:
@@ -207,14 +207,10 @@ def _resolve_scaled(path: Path, axis: str, bundles: dict[str, Any]) -> dict[str,
     return {value: resolve(value, ()) for value in bundles}
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
 def _times(table: dict[str, Any], factor: float) -> dict[str, Any]:
     """Every number in a nested table multiplied by ``factor`` (strings, booleans and lists left as they are)."""
     return {
-        k: _times(v, factor) if isinstance(v, dict) else v * factor if _is_number(v) else v for k, v in table.items()
+        k: _times(v, factor) if isinstance(v, dict) else v * factor if is_number(v) else v for k, v in table.items()
     }
 
 

@@ -7,6 +7,7 @@ import math
 from hafedho.report.layout import Layout, display, pct
 from hafedho.report.stats import accuracy_stat
 from hafedho.report.table import Cell, Table
+from hafedho.toml_io import is_number
 
 
 def best_hyper_table(lay: Layout) -> list[Table]:
@@ -47,7 +48,7 @@ EDGE = "*"
 def _edge(key: str, value: object, grid: list[tuple[tuple[str, object], ...]]) -> str:
     """``EDGE`` when a numeric ``value`` of ``key`` is the smallest or largest of the values the grid tried for
     it (at least two), else ""."""
-    tried = {v for row in grid for k, v in row if k == key and isinstance(v, int | float) and not isinstance(v, bool)}
-    if len(tried) < 2 or not isinstance(value, int | float) or isinstance(value, bool):
+    tried = {v for row in grid for k, v in row if k == key and is_number(v)}
+    if len(tried) < 2 or not is_number(value):
         return ""
     return EDGE if value in (min(tried), max(tried)) else ""
