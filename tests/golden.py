@@ -35,11 +35,13 @@ RUNTIME = ("workers=2", "threads=1", "--quiet")  # pinned: process workers and t
 
 def _read(run_dir: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from hafedho.runtime.checkpoint import stored_clients
+
     ckpt = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
     return {
         "rows": [{k: v for k, v in r.items() if k != "wall_s"} for r in rows],
         "server": ckpt["server"],
-        "store": ckpt["store"],
+        "store": stored_clients(run_dir),
     }
 
 

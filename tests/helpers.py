@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hafedho.cli import main
 from hafedho.config import CONFIG_DIR, Config, load_config
+from hafedho.core import ClientData
 
 SMOKE = CONFIG_DIR / "smoke.toml"
 
@@ -50,3 +53,28 @@ fraction = 0.3
 [base.model]
 name = "logreg"
 """
+
+
+def _grow(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``t`` grown to ``size`` along its first dimension with copies of its last slice."""
+    extra = size - t.shape[0]
+    return t if not extra else torch.cat([t, t[-1:].expand(extra, *t.shape[1:])])
+
+
+def _stack(datas: list[ClientData]) -> ClientData:
+    steps = max(d.x.shape[0] for d in datas)
+    masks = [torch.cat([d.mask, d.mask.new_zeros(steps - d.mask.shape[0], *d.mask.shape[1:])]) for d in datas]
+    return ClientData(
+        torch.stack([_grow(d.x, steps) for d in datas]),
+        torch.stack([_grow(d.y, steps) for d in datas]),
+        torch.stack(masks),
+    )
+
+
+def stack_data(datas: list[ClientData]) -> ClientData:
+    """The reference for ``FederatedData.cohort_data``: per-client ``ClientData`` stacked ``[c, S, B, ...]``, clients
+    with fewer steps padded by repeats of their last step, masked out (``full`` likewise, when present)."""
+    out = _stack(datas)
+    if any(isinstance(d.full, ClientData) for d in datas):
+        out = out._replace(full=_stack([d.full for d in datas]))
+    return out

@@ -104,12 +104,13 @@ def test_the_run_dir_is_out_and_the_run_name() -> None:
 
 def test_the_runtime_half_is_declared_on_the_fields() -> None:
     """``runtime_hp`` marks how, where and how long a run runs; everything else is the experiment."""
-    runtime = {"rounds", "eval_every", "checkpoint_every", "engine", "workers", "vmap_chunk", "threads", "compile"}
+    runtime = {"rounds", "eval_every", "checkpoint_every", "engine", "device", "workers", "vmap_chunk", "threads"}
+    runtime.add("compile")
     assert {*runtime, "client_store", "name", "out", "log"} == RUNTIME_KEYS
     assert all(f.metadata["help"] for f in dataclasses.fields(Config) if f.name in RUNTIME_KEYS)  # still hp()s
     ident = experiment_identity(load_config(None))
     assert set(ident) == {f.name for f in dataclasses.fields(Config)} - RUNTIME_KEYS
-    assert set(ident) == {"seed", "data", "clients", "sampling", "model", "diagnostics", "algorithm"}
+    assert set(ident) == {"seed", "precision", "data", "clients", "sampling", "model", "diagnostics", "algorithm"}
 
 
 def test_missing_data_path() -> None:

@@ -24,6 +24,7 @@ from hafedho.cli import main
 from hafedho.core import ConfigError, RoundInfo, tree
 from hafedho.experiment import build
 from hafedho.runfiles import read_metrics
+from hafedho.runtime.checkpoint import stored_clients
 from hafedho.sim.runner import run
 
 ALGS = sorted(REGISTRY)
@@ -71,6 +72,7 @@ def test_state_shapes_stable_resume_identical_and_bytes_honest(tmp_path: Path, a
 
     a = torch.load(tmp_path / "a" / "run" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=True)
+    a["store"], b["store"] = (stored_clients(tmp_path / x / "run") for x in "ab")  # the journal, read back
     for x, y in zip(a["server"] + a["store"], b["server"] + b["store"], strict=True):
         assert torch.equal(x, y)
 

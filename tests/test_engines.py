@@ -10,12 +10,13 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import SMOKE
+from helpers import SMOKE, stack_data
 from tolerance import fp32_close, longest_reduction, smooth, smooth_functional_relu
 from torch import nn
 
@@ -32,7 +33,7 @@ from hafedho.runtime.store import ClientStore
 from hafedho.runtime.work import RoundWork
 from hafedho.sim.engines.loop import LoopEngine, loop_engine
 from hafedho.sim.engines.process import ProcessEngine, WorkerError, dumps, loads
-from hafedho.sim.engines.vmap import VmapEngine, stack_data
+from hafedho.sim.engines.vmap import VmapEngine
 from hafedho.sim.runner import Divergence, run
 
 CONTRACT = [
@@ -186,7 +187,7 @@ def test_empty_cohort_gives_no_aggregate() -> None:
     store = ClientStore((), fed.num_clients)
     rnd = RoundInfo(1, fed.num_clients, 0)
     msg = alg.broadcast(alg.init_server(model.params()), rnd)
-    for eng in (LoopEngine(), ProcessEngine(workers=2), VmapEngine(device="cpu")):
+    for eng in (LoopEngine(), ProcessEngine(workers=2), VmapEngine()):
         with eng:
             out = eng(RoundWork(alg, msg, fed, BatchPlan(2, 4), model, rnd, 0), np.array([], dtype=np.int64), store)
         assert out.aggregate is None and out.metrics == {} and out.bytes_up == 0
@@ -295,31 +296,38 @@ def test_vmap_matches_loop_on_batchnorm(alg: str) -> None:
 
     fed, algo = image_fed(), REGISTRY[alg]()
     ref_server, ref_store, ref_out = run_rounds(loop_engine, algo, fed, model())
-    server, store, out = run_rounds(VmapEngine(chunk=3, device="cpu"), algo, fed, model())  # a short last chunk
+    server, store, out = run_rounds(VmapEngine(chunk=3), algo, fed, model())  # a short last chunk
     bounds = {"reduction": longest_reduction(model().module, fed.preprocess(fed.x_train[:4])), "steps": 2 * (2 + 1)}
     fp32_close(server, ref_server, **bounds, what="server")
     fp32_close(store.state_dict(), ref_store.state_dict(), **bounds, what="store")
     assert out.bytes_up == ref_out.bytes_up and out.metrics.keys() == ref_out.metrics.keys()
 
 
-def test_stack_data_pads_short_clients_with_no_op_steps() -> None:
-    a = ClientData(torch.ones(3, 2, 5), torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2))
-    b = ClientData(torch.ones(1, 2, 5), torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2))
-    s = stack_data([a, b])
-    assert s.x.shape == (2, 3, 2, 5) and s.mask[1].sum(1).tolist() == [2.0, 0.0, 0.0]
-    assert s.y.dtype == torch.long and torch.equal(s.x[1, 2], b.x[0])  # the last batch again, masked out
+@pytest.mark.parametrize("plan", [BatchPlan(3, 8), BatchPlan(0, 8, local_epochs=2)], ids=["steps", "epochs"])
+def test_cohort_data_equals_each_clients_data_stacked(plan: BatchPlan) -> None:
+    """One indexed read for a whole cohort gives, bit for bit, each client's batches (uint8 images scaled, unequal
+    clients) stacked, with a short client's missing steps padded by its last step, masked out."""
+    fed = image_fed()
+    cids = [3, 0, 2]  # not sorted: cohort order
+    got = fed.cohort_data(5, 2, cids, plan, full=True)
+    ref = stack_data([fed.client_data(5, 2, c, plan, full=True) for c in cids])
+    leaves = torch.utils._pytree.tree_leaves
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(leaves(got), leaves(ref), strict=True))
+    info, one = fed.cohort_info(cids), [fed.client_info(c) for c in cids]
+    assert torch.equal(info.weight, torch.stack([i.weight for i in one]))
+    assert torch.equal(info.num_examples, torch.stack([i.num_examples for i in one]))
+    if plan.local_epochs:  # client 3: 15 rows, 2 steps an epoch, 4 in all; clients 0 and 2: 3 an epoch, 6
+        assert got.mask[0].sum(1).tolist()[-2:] == [0.0, 0.0] and torch.equal(got.x[0, -1], got.x[0, 3])
 
 
-@pytest.mark.filterwarnings("ignore:BatchNorm layers")
 def test_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = FunctionalModel(nn.Linear(4, 2))
-    bn = FunctionalModel(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)))
     monkeypatch.setattr(base, "available_cores", lambda: 1)
     assert auto_choice(plain) == "loop"
     monkeypatch.setattr(base, "available_cores", lambda: 8)
     assert auto_choice(plain) == "process"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert auto_choice(plain) == "vmap" and auto_choice(bn) == "vmap"
+    on_gpu = typing.cast(FunctionalModel, SimpleNamespace(device=torch.device("cuda", 0)))
+    assert auto_choice(on_gpu) == "vmap"  # by where the run's model lives
 
 
 def test_auto_engine_names_its_choice() -> None:

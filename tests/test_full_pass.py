@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import stack_data
 from quadratic import client_updates
 
 from hafedho.algorithms import REGISTRY
@@ -29,7 +30,7 @@ from hafedho.runtime.store import ClientStore
 from hafedho.runtime.work import RoundWork
 from hafedho.sim.engines.loop import loop_engine
 from hafedho.sim.engines.process import ProcessEngine
-from hafedho.sim.engines.vmap import VmapEngine, stack_data
+from hafedho.sim.engines.vmap import VmapEngine
 
 # ----------------------------------------------------------------------------- least squares in float64
 
@@ -241,17 +242,20 @@ def test_full_gradient_is_the_one_batch_gradient_whatever_the_blocks() -> None:
                 assert float((g[k] - ref[k]).norm()) <= 1e-12 * float(ref[k].norm()), (b, k)
 
 
-def test_stack_data_pads_the_whole_local_data_to_the_largest_client() -> None:
+def test_cohort_data_pads_the_whole_local_data_to_the_largest_client() -> None:
     fed = vector_fed()
     plan = BatchPlan(local_steps=0, batch_size=4, local_epochs=1)
     datas = [fed.client_data(0, 1, cid, plan, full=True) for cid in (0, 1, 2)]
-    s = stack_data(datas)
+    s = fed.cohort_data(0, 1, [0, 1, 2], plan, full=True)
+    ref = stack_data(datas)
+    leaves = torch.utils._pytree.tree_leaves
+    assert all(torch.equal(a, b) for a, b in zip(leaves(s), leaves(ref), strict=True))
     assert s.x.shape == (3, 4, 4, 12) and s.full.x.shape == (3, 4, 4, 12) and s.full.mask.shape == (3, 4, 4)
     assert s.full.mask.sum((1, 2)).tolist() == [9.0, 3.0, 14.0] and s.full.y.dtype == torch.long
     assert torch.equal(s.full.x[1, :1], datas[1].full.x)
     assert torch.equal(s.full.x[1, 1:], datas[1].full.x.expand(3, 4, 12))  # the last block again, masked out
     assert s.full.mask[1, 1:].sum() == 0
-    assert stack_data([fed.client_data(0, 1, cid, plan) for cid in (0, 1)]).full == ()
+    assert fed.cohort_data(0, 1, [0, 1], plan).full == ()
 
 
 def test_the_loop_engine_hands_the_whole_local_data() -> None:
@@ -310,7 +314,7 @@ def test_engines_agree_on_full_pass_algorithms(alg) -> None:
     with ProcessEngine(workers=2) as eng:
         assert_near(engine_rounds(eng, alg), ref)
     assert not mp.active_children()
-    with VmapEngine(chunk=3, device="cpu") as eng:  # chunks {0, 1, 2} (full data padded to 4 blocks) and {3}
+    with VmapEngine(chunk=3) as eng:  # chunks {0, 1, 2} (full data padded to 4 blocks) and {3}
         assert_near(engine_rounds(eng, alg), ref)
 
 

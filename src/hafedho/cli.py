@@ -219,7 +219,13 @@ def parser() -> argparse.ArgumentParser:
         help="replaces a grid axis (a TOML list gives several values), else applies to every run",
     )
     sw.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the preset's, usually 3)")
-    sw.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default 1)")
+    sw.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs in parallel processes (default 1; on one GPU, 2 and 4 runs at once gave 1.07x and 1.08x the "
+        "rounds per second of one: docs/benchmarks.md)",
+    )
     sw.add_argument(
         "--backend",
         choices=("local", "ray"),

@@ -15,6 +15,7 @@ from typing import Any
 
 from hafedho.algorithms import algorithm_from_table, applicable
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, check_value, hp
+from hafedho.core.device import PRECISIONS, device_problem
 from hafedho.core.diagnostics import Diagnostics
 from hafedho.core.refs import file_name
 from hafedho.data.partition import check_partition
@@ -107,7 +108,13 @@ class Config:
     rounds: int = runtime_hp(100, "T: communication rounds", ge=1)
     eval_every: int = runtime_hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
     checkpoint_every: int = runtime_hp(10, "checkpoint every k rounds (and at the last)", ge=1)
-    engine: str = runtime_hp("loop", engine_help(), choices=tuple(ENGINES))  # choices, help, options: the registry's
+    engine: str | None = runtime_hp(
+        None, engine_help(), choices=tuple(ENGINES)
+    )  # choices, help, options: the registry's
+    device: str = runtime_hp(
+        "auto",
+        "where the run's tensors live: auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N",
+    )
     workers: int = runtime(option_field("workers"))
     vmap_chunk: int = runtime(option_field("vmap_chunk"))
     threads: int = runtime_hp(
@@ -124,8 +131,15 @@ class Config:
     )
     client_store: str = runtime_hp(
         "auto",
-        "per-client state in RAM or memory-mapped on disk; auto = disk above 2 GiB",
-        choices=("auto", "memory", "disk"),
+        "per-client state on the run's GPU, in RAM or memory-mapped on disk; auto = on the GPU while it takes at "
+        "most half of the GPU's free memory, else in RAM up to 2 GiB, else on disk (docs/client_store.md)",
+        choices=("auto", "device", "memory", "disk"),
+    )
+    precision: str = hp(
+        "fp32",
+        "float32 arithmetic on a GPU: fp32 (TF32 off: equal to the CPU within the float32 bound) or tf32 (TF32 "
+        "matmuls and convolutions, faster on Ampere and newer GPUs); part of the experiment (docs/benchmarks.md)",
+        choices=PRECISIONS,
     )
     name: str | None = runtime_hp(
         None, "run name prefix; None = ALGORITHM-SOURCE (the run directory is PREFIX-HASH-sSEED)"
@@ -317,6 +331,8 @@ def validate(cfg: Config) -> Config:
     cfg._resolved = (canonical_json(cfg.algorithm), alg)  # held as built: the tables dropped never applied to it
     if cfg.name is not None:
         check_run_name(cfg.name)
+    if problem := device_problem(cfg.device):
+        raise ConfigError(problem)
     check_log(cfg.log)
     s = cfg.sampling
     check_partition(cfg.data.partition, cfg.data.partition_options)

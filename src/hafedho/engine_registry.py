@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hafedho.core.algorithm import hp
+from hafedho.core.algorithm import ConfigError, hp
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,7 +67,13 @@ ENGINES: dict[str, EngineSpec] = {
 
 def engine_help() -> str:
     """The config's help line for ``engine``, from the table."""
-    return "simulation engine: " + ", ".join(f"{name} ({spec.help})" for name, spec in ENGINES.items())
+    names = ", ".join(f"{name} ({spec.help})" for name, spec in ENGINES.items())
+    return f"simulation engine: {names}; unset = vmap on a GPU, loop (the reference) on the CPU"
+
+
+def default_engine(device: torch.device) -> str:
+    """The engine of a run that sets none: the fastest on a GPU (``vmap``), the reference (``loop``) on a CPU."""
+    return "vmap" if device.type == "cuda" else "loop"
 
 
 def option_field(name: str) -> Any:
@@ -88,16 +94,25 @@ def make_engine(name: str, **options: int) -> Engine:
     return spec.load()(**{kw: options.get(opt, OPTIONS[opt].default) for opt, kw in spec.options.items()})
 
 
-def engine_for(settings: Any) -> Engine:
-    """``make_engine`` from an object with ``engine`` and every option of ``OPTIONS`` as attributes (a config)."""
-    return make_engine(settings.engine, **{opt: getattr(settings, opt) for opt in OPTIONS})
+def engine_for(settings: Any, device: torch.device | None = None) -> Engine:
+    """``make_engine`` from an object with ``engine`` and every option of ``OPTIONS`` as attributes (a config), for
+    a run on ``device`` (default: the CPU): an unset engine is ``default_engine(device)``; ``process`` runs its
+    workers on the CPU only, so it is refused (one line) for a GPU run."""
+    device = device or torch.device("cpu")
+    name = settings.engine or default_engine(device)
+    if name == "process" and device.type != "cpu":
+        raise ConfigError(
+            f"engine='process' runs its workers on the CPU, but device={device}: use engine=vmap (or loop) on "
+            "the GPU, or device=cpu"
+        )
+    return make_engine(name, **{opt: getattr(settings, opt) for opt in OPTIONS})
 
 
 def auto_choice(model: FunctionalModel) -> str:
-    """``vmap`` on a GPU, ``process`` on a multi-core CPU, else ``loop``."""
+    """``vmap`` for a model on a GPU, ``process`` on a multi-core CPU, else ``loop``."""
     from hafedho.runtime import work as base  # loaded with the first engine, not with the config
 
-    if torch.cuda.is_available():
+    if model.device.type == "cuda":
         return "vmap"
     return "process" if base.available_cores() >= 2 else "loop"
 

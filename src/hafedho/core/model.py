@@ -59,11 +59,26 @@ class FunctionalModel:
         return {**self.__dict__, "_compiled": None, "_compiled_ok": set(), "_on_fallback": None}
 
     def rows_per_pass(self, row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        """Rows of ``row_shape`` that one pass takes at once (``core.sizing``'s cache rule), measured once."""
-        key = (tuple(int(d) for d in row_shape), dtype)
+        """Rows of ``row_shape`` that one pass takes at once (``core.sizing``: the CPU's cache rule, or the GPU's
+        memory rule for a module on a GPU), measured once per shape and device."""
+        key = (tuple(int(d) for d in row_shape), dtype, self.device)
         if key not in self._rows:
             self._rows[key] = rows_per_pass(self.module, key[0], dtype)
         return self._rows[key]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters live (the CPU for a module without any)."""
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def to(self, device: torch.device) -> FunctionalModel:
+        """Move the module (parameters and buffers) to ``device`` in place; a compiled forward is rebuilt there."""
+        if device != self.device:
+            self.module.to(device)
+            self.buffers = dict(self.module.named_buffers())
+            self._compiled, self._compiled_ok = None, set()
+        return self
 
     def params(self) -> Params:
         return {k: v.detach().clone() for k, v in self.module.named_parameters()}

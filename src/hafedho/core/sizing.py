@@ -7,6 +7,10 @@ once a chunk's activations leave it every layer streams them from memory. Half t
 weights, the next chunk's inputs and a neighbour process. The activation bytes per row are measured once per
 model and input shape, from the tensors that autograd saves in a forward (``activation_bytes``; a few ms).
 
+On a GPU the cache is not the limit (the device's memory bandwidth and its thousands of threads want large
+passes): there a pass takes the rows whose activations fit in ``GPU_SHARE`` of the device's total memory, between
+8 and ``GPU_MAX_ROWS``.
+
 Deterministic on a machine (no timing probe), so the chunk, and with it every float sum over chunks, is the
 same in every run and resume there.
 """
@@ -22,6 +26,8 @@ from torch.utils._pytree import tree_leaves
 
 MAX_ROWS = 1024  # beyond this the per-call overhead is long amortised
 FALLBACK_CACHE = 8 * 1024**2  # bytes, where the OS does not say
+GPU_SHARE = 1 / 16  # of a GPU's total memory for one pass's activations (8.7 GiB on a 140 GiB H200)
+GPU_MAX_ROWS = 16384
 
 
 @functools.cache
@@ -59,9 +65,10 @@ def activation_bytes(module: nn.Module, row_shape: tuple[int, ...], dtype: torch
 
     was_training = module.training
     module.eval()
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(torch.zeros((2, *row_shape), dtype=dtype))
+            out = module(torch.zeros((2, *row_shape), dtype=dtype, device=device))
     finally:
         module.train(was_training)
     for t in tree_leaves(out):
@@ -71,12 +78,17 @@ def activation_bytes(module: nn.Module, row_shape: tuple[int, ...], dtype: torch
 
 
 def rows_per_pass(module: nn.Module, row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """The module docstring's rule for ``module`` on rows of ``row_shape`` (``FunctionalModel`` memoises it);
-    ``MAX_ROWS`` for a module whose forward cannot be measured on two zero rows (the pass then reports the
+    """The module docstring's rule for ``module`` on rows of ``row_shape`` (``FunctionalModel`` memoises it): the
+    CPU's cache rule, or the GPU's memory rule for a module whose parameters are on a GPU; the largest number of
+    rows allowed for a module whose forward cannot be measured on two zero rows (the pass then reports the
     module's own error)."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        budget, most = int(torch.cuda.get_device_properties(device).total_memory * GPU_SHARE), GPU_MAX_ROWS
+    else:
+        budget, most = last_level_cache_bytes() // 2, MAX_ROWS
     try:
         per_row = max(activation_bytes(module, tuple(row_shape), dtype), 1)
     except Exception:  # a user module with its own ideas about inputs: its real pass will say what is wrong
-        return MAX_ROWS
-    rows = (last_level_cache_bytes() // 2) // per_row
-    return int(min(MAX_ROWS, max(8, rows // 8 * 8)))
+        return most
+    return int(min(most, max(8, budget // per_row // 8 * 8)))

@@ -65,3 +65,8 @@ def detach(tree: Any) -> Any:
 
 def all_finite(tree: Any) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(tree) if t.is_floating_point())
+
+
+def to(tree: Any, device: torch.device) -> Any:
+    """Every tensor leaf of ``tree`` on ``device`` (leaves already there are returned as they are)."""
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, tree)

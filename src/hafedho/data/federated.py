@@ -126,6 +126,21 @@ class FederatedData:
         shape = (1, -1) + (1,) * (self.x_train.dim() - 2) if self.x_train.dim() > 2 else (1, -1)
         self._mean = torch.tensor(mean, dtype=self.dtype).view(shape) if mean is not None else None
         self._std = torch.tensor(std, dtype=self.dtype).view(shape) if std is not None else None
+        self.device = torch.device("cpu")  # where batches, client facts and test inputs are delivered (``to``)
+
+    def to(self, device: torch.device, keep_on_host_above: int | None = None) -> FederatedData:
+        """Deliver batches, client facts and the test set on ``device`` (in place). The data moves there too,
+        unless its arrays take more than ``keep_on_host_above`` bytes: then they stay in RAM and each batch is
+        gathered there and copied over. Values are the same wherever they are gathered and preprocessed."""
+        device = torch.device(device)
+        arrays = (self.x_train, self.y_train, self.x_test_raw, self.y_test)
+        big = keep_on_host_above is not None and sum(a.numel() * a.element_size() for a in arrays) > keep_on_host_above
+        home = torch.device("cpu") if big else device
+        self.x_train, self.y_train, self.x_test_raw, self.y_test = (a.to(home) for a in arrays)
+        self._mean = self._mean.to(home) if self._mean is not None else None
+        self._std = self._std.to(home) if self._std is not None else None
+        self.device = device
+        return self
 
     @property
     def num_clients(self) -> int:
@@ -143,24 +158,69 @@ class FederatedData:
         return x
 
     def x_test(self) -> Tensor:
-        return self.preprocess(self.x_test_raw)
+        return self.preprocess(self.x_test_raw).to(self.device)
+
+    def test_set(self) -> tuple[Tensor, Tensor]:
+        """The global test set: preprocessed inputs and labels on the delivery device."""
+        return self.x_test(), self.y_test.to(self.device)
+
+    def rows(self, idx: np.ndarray | Tensor) -> tuple[Tensor, Tensor]:
+        """Training rows ``idx`` (any shape of global indices) as preprocessed inputs ``[*idx.shape, ...]`` and
+        labels ``[*idx.shape]``, on the delivery device: one gather where the data lives, one copy if elsewhere."""
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+        flat = idx.reshape(-1).to(self.x_train.device)
+        x = self.preprocess(self.x_train[flat])
+        x, y = x.reshape(*idx.shape, *x.shape[1:]), self.y_train[flat].reshape(idx.shape)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def client_info(self, cid: int, dtype: torch.dtype | None = None) -> ClientInfo:
         """p_i = |D_i| / |D| and n_i = |D_i| of client ``cid`` as 0-d tensors of ``dtype`` (default: ``self.dtype``).
 
         p_i is divided in float64 and rounded once to ``dtype``, so it is the correctly rounded ratio in any dtype.
         """
-        dtype = dtype or self.dtype
+        dtype, dev = dtype or self.dtype, self.device
         n = float(self.sizes[cid])
-        return ClientInfo(torch.tensor(n / float(self.sizes.sum()), dtype=dtype), torch.tensor(n, dtype=dtype))
+        p = n / float(self.sizes.sum())
+        return ClientInfo(torch.tensor(p, dtype=dtype, device=dev), torch.tensor(n, dtype=dtype, device=dev))
+
+    def cohort_info(self, cids: list[int] | np.ndarray) -> ClientInfo:
+        """``client_info`` of each of ``cids``, stacked ``[c]`` (the same values, bit for bit)."""
+        n = self.sizes[np.asarray(cids, dtype=np.int64)].astype(np.float64)
+        p = n / float(self.sizes.sum())
+        as_t = lambda a: torch.from_numpy(a).to(self.dtype).to(self.device, non_blocking=True)
+        return ClientInfo(as_t(p), as_t(n))
 
     def client_data(self, seed: int, rnd: int, cid: int, plan: BatchPlan, full: bool = False) -> ClientData:
         """Client ``cid``'s batches for round ``rnd``; with ``full``, also its whole local data (``full_data``)."""
         pos, mask = plan_indices(rng_for(seed, "batches", rnd, cid), int(self.sizes[cid]), plan)
-        idx = torch.from_numpy(self.parts[cid][pos])  # [S, B] global train indices
-        x = self.preprocess(self.x_train[idx.reshape(-1)])
-        data = ClientData(x.reshape(*idx.shape, *x.shape[1:]), self.y_train[idx], torch.from_numpy(mask))
+        x, y = self.rows(self.parts[cid][pos])  # [S, B] global train indices
+        data = ClientData(x, y, torch.from_numpy(mask).to(self.device))
         return data._replace(full=self.full_data(cid, plan.batch_size)) if full else data
+
+    def cohort_data(
+        self, seed: int, rnd: int, cids: list[int] | np.ndarray, plan: BatchPlan, full: bool = False
+    ) -> ClientData:
+        """The batches of every client of ``cids`` for round ``rnd``, stacked ``[c, S, B, ...]``: equal bit for bit
+        to ``client_data`` of each, stacked with clients of fewer steps padded by repeats of their last step
+        (mask 0; ``full`` likewise with its last block), and gathered with one indexed read for the whole cohort."""
+        plans = [plan_indices(rng_for(seed, "batches", rnd, int(c)), int(self.sizes[c]), plan) for c in cids]
+        pos, mask = _padded([self.parts[c][p] for c, (p, _) in zip(cids, plans, strict=True)], [m for _, m in plans])
+        x, y = self.rows(pos)
+        data = ClientData(x, y, torch.from_numpy(mask).to(self.device, non_blocking=True))
+        if not full:
+            return data
+        blocks = [self._full_rows(int(c), plan.batch_size) for c in cids]
+        fpos, fmask = _padded([b for b, _ in blocks], [m for _, m in blocks])
+        fx, fy = self.rows(fpos)
+        return data._replace(full=ClientData(fx, fy, torch.from_numpy(fmask).to(self.device, non_blocking=True)))
+
+    def _full_rows(self, cid: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``full_data``'s global indices ``[ceil(n_i / B), B]`` and mask."""
+        n = int(self.sizes[cid])
+        blocks = math.ceil(n / batch_size)
+        pos = np.minimum(np.arange(blocks * batch_size), n - 1)
+        mask = (np.arange(blocks * batch_size) < n).astype(np.float32).reshape(blocks, batch_size)
+        return self.parts[cid][pos].reshape(blocks, batch_size), mask
 
     def full_data(self, cid: int, batch_size: int) -> ClientData:
         """All of client ``cid``'s training rows, each once, in partition order: ``[ceil(n_i / B), B, ...]``.
@@ -168,10 +228,18 @@ class FederatedData:
         The blocks only bound the memory of a pass over them (``core.full_gradient`` weighs each by its real
         rows); the last block is padded with the client's last row again, masked out.
         """
-        n = int(self.sizes[cid])
-        blocks = math.ceil(n / batch_size)
-        pos = np.minimum(np.arange(blocks * batch_size), n - 1)
-        idx = torch.from_numpy(self.parts[cid][pos]).view(blocks, batch_size)
-        x = self.preprocess(self.x_train[idx.reshape(-1)])
-        mask = (torch.arange(blocks * batch_size) < n).float().view(blocks, batch_size)
-        return ClientData(x.reshape(blocks, batch_size, *x.shape[1:]), self.y_train[idx], mask)
+        pos, mask = self._full_rows(cid, batch_size)
+        x, y = self.rows(pos)
+        return ClientData(x, y, torch.from_numpy(mask).to(self.device))
+
+
+def _padded(pos: list[np.ndarray], masks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-client ``[S_i, B]`` indices and masks stacked ``[c, max S_i, B]``: the missing steps of a client repeat
+    its last step's indices, masked out (a padding step is then as finite as a real one)."""
+    steps = max(p.shape[0] for p in pos)
+    out = np.empty((len(pos), steps, pos[0].shape[1]), dtype=np.int64)
+    mask = np.zeros(out.shape, dtype=np.float32)
+    for j, (p, m) in enumerate(zip(pos, masks, strict=True)):
+        out[j, : len(p)], out[j, len(p) :] = p, p[-1]
+        mask[j, : len(m)] = m
+    return out, mask

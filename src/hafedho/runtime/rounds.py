@@ -71,10 +71,10 @@ def client_accuracy(exp: Experiment, server: Any, cid: int, state: Any) -> tuple
         return 0, 0
     was_training = model.module.training
     model.module.eval()
-    rows = torch.from_numpy(idx)
-    logits = exp.alg.predict(server, state, model, fed.preprocess(fed.x_train[rows]))
+    x, y = fed.rows(idx)
+    logits = exp.alg.predict(server, state, model, x)
     model.module.train(was_training)
-    return int((logits.argmax(1) == fed.y_train[rows]).sum()), len(idx)
+    return int((logits.argmax(1) == y).sum()), len(idx)
 
 
 def pooled_accuracy(counts: Iterable[tuple[int, int]]) -> float:
@@ -199,7 +199,7 @@ class ServerRounds:
             fed = self.exp.fed
             n = len(fed.y_train)
             rows = torch.linspace(0, n - 1, min(n, START_LOSS_SAMPLES)).round().long()
-            ev = evaluate(self.exp.model, self.exp.model.params(), fed.preprocess(fed.x_train[rows]), fed.y_train[rows])
+            ev = evaluate(self.exp.model, self.exp.model.params(), *fed.rows(rows))
             self._start_loss = float(ev["loss"])
         return self._start_loss
 
@@ -213,7 +213,7 @@ class ServerRounds:
             return None
         fed = self.exp.fed
         if self._test is None:
-            self._test = fed.x_test(), fed.y_test
+            self._test = fed.test_set()
         ev = evaluate(self.exp.model, self.exp.alg.eval_params(self.server), *self._test)
         row.update({"test/acc": ev["acc"], "test/loss": ev["loss"]})
         if fed.local_test is not None and state_of is not None:

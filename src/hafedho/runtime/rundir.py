@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ RUN_FILES = frozenset(
 
 def _is_run_entry(name: str) -> bool:
     """A file or folder that a run (simulator or Flower) writes into its directory."""
-    if name in RUN_FILES or name == "client_store" or (name.startswith(".") and name.endswith(".tmp")):
+    if name in RUN_FILES or name in ("client_store", checkpoint.JOURNAL_DIR):
+        return True
+    if name.startswith(".") and name.endswith(".tmp"):
         return True
     return name.startswith("store_r") and name.removeprefix("store_r").removesuffix(".tmp").isdigit()
 
@@ -181,6 +184,10 @@ class RunDir:
         self.checkpoint_path = self.path / "checkpoint.pt"
         self._lock = RunLock(self.path)
         self.tracking: Tracking | None = None  # [log]'s trackers (``prepare``); they get rows once checkpointed
+        self.journal = checkpoint.Journal()  # the client-store files the last checkpoint names
+        self._writing: threading.Thread | None = None  # the checkpoint being written (save_checkpoint)
+        self._written: int | None = None  # its round, once on disk (for the trackers)
+        self._failed: BaseException | None = None
 
     def acquire(self) -> None:
         if not self._lock.__enter__():
@@ -189,6 +196,12 @@ class RunDir:
             )
 
     def release(self) -> None:
+        try:
+            self.wait()  # a checkpoint being written is finished before the lock goes
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self.tracking is not None:
             self.tracking.close()
             self.tracking = None
@@ -228,30 +241,50 @@ class RunDir:
         truncate_metrics(self.path, last_round)
 
     def save_checkpoint(self, t: int, server: Any, store: ClientStore | None, extra: dict[str, Any]) -> None:
-        """Write the checkpoint; a memory-mapped store is snapshotted to ``store_rT/`` first and named in it.
+        """Checkpoint round ``t``: the server state in ``checkpoint.pt`` and, for a store with state, the rows that
+        changed since the last checkpoint in its journal, which ``checkpoint.pt`` names (``runtime.checkpoint``).
         Without a store (Flower: the client states live on the nodes) the checkpoint holds the server only.
-        Then the rows up to round t are final: the trackers get them (``Tracking.publish``)."""
-        if store is None or store.path is None:
-            checkpoint.save(self.checkpoint_path, t, server, [] if store is None else store.state_dict(), extra)
-        else:
-            store.snapshot(self.path / f"store_r{t}")
-            checkpoint.save(self.checkpoint_path, t, server, [], {**extra, "store_dir": f"store_r{t}"})
-            for old in self.path.glob("store_r*"):  # only after the new checkpoint is in place
-                if old.name != f"store_r{t}":
+
+        The state is taken now (``checkpoint.capture``) and written by a background thread while the run goes on;
+        the previous checkpoint's write is waited for first, and so is this one's by the next checkpoint, by
+        ``mark_done``, ``wait`` and ``release``. Once written, the rows up to round t are final: the trackers get
+        them (``Tracking.publish``) at that wait."""
+        self.wait()
+        cap = checkpoint.capture(self.path, t, server, store, self.journal, extra)
+        self.journal = cap.journal
+        self._writing = threading.Thread(target=self._write, args=(cap,), name="hafedho-checkpoint", daemon=True)
+        self._writing.start()
+
+    def _write(self, cap: checkpoint.Capture) -> None:
+        try:
+            checkpoint.write(self.path, self.checkpoint_path, cap)
+            for old in self.path.glob("store_r*"):  # snapshots of checkpoints written before the journal
+                if old.is_dir() and not old.is_symlink():
                     shutil.rmtree(old, ignore_errors=True)
-        if self.tracking is not None:
-            self.tracking.publish(t)
+            self._written = cap.round
+        except BaseException as e:  # handed to the run's thread by wait()
+            self._failed = e
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written; re-raise its error; hand its rows to the trackers."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        if self._failed is not None:
+            e, self._failed = self._failed, None
+            raise e
+        if self._written is not None and self.tracking is not None:
+            self.tracking.publish(self._written)
+        self._written = None
 
     def resume(self, server: Any, store: ClientStore) -> tuple[int, Any, float]:
         """``(first round to run, server state, wall seconds so far)`` from the checkpoint, the client states
         restored into ``store``; ``(1, server, 0.0)`` when there is none."""
         if not self.checkpoint_path.exists():
             return 1, server, 0.0
-        done_round, server, store_leaves, extra = checkpoint.load(self.checkpoint_path, server)
-        if "store_dir" in extra:
-            store.restore(self.path / extra["store_dir"])
-        else:
-            store.load_state_dict(store_leaves)
+        done_round, server, payload, extra = checkpoint.load(self.checkpoint_path, server)
+        if store.leaves:
+            self.journal = checkpoint.restore_store(self.path, store, payload, extra)
         return done_round + 1, server, float(extra.get("wall_s", 0.0))
 
     def discard_unstarted(self) -> None:
@@ -265,6 +298,7 @@ class RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
     def mark_done(self) -> None:
+        self.wait()  # the last checkpoint is on disk before the run says it is done
         atomic_write_text(self.path / "done", "")
 
     def mark_diverged(self, text: str) -> None:

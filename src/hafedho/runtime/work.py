@@ -9,8 +9,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from hafedho.core import ClientInfo, ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
+from hafedho.core.aggregate import add_stacked_or_each
 from hafedho.core.seeds import seed_for
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.runtime.store import ClientStore
@@ -24,12 +26,14 @@ class CohortResult:
 
 
 class CohortStream:
-    """Folds clients' results into the aggregator, metric sums and byte count; callers add in cohort order."""
+    """Folds clients' results into the aggregator, metric sums and byte count, in cohort order: one client at a
+    time (``add``) or a stacked chunk of the cohort at once (``add_stacked``). Metric sums stay float64 tensors on
+    the uploads' device until ``result``, so a round syncs with the host once, not once per client."""
 
     def __init__(self, alg: FedAlgorithm, size: int) -> None:
         self.agg = alg.new_aggregator()
         self.size = size
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, Any] = {}
         self.like: Any = None
         self.bytes_up = 0
 
@@ -38,11 +42,23 @@ class CohortStream:
         self.like = upload
         self.bytes_up += tree.num_bytes(upload)
         for k, v in metrics.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+            self._sum(k, torch.as_tensor(v, dtype=torch.float64))
+
+    def add_stacked(self, uploads: Any, weights: torch.Tensor, metrics: dict[str, Any]) -> None:
+        """c clients' results at once: leaves ``[c, ...]``, weights and metrics ``[c]``."""
+        uploads = tree.detach(uploads)
+        add_stacked_or_each(self.agg, uploads, weights)
+        self.like = pytree.tree_map(lambda t: t[0], uploads)
+        self.bytes_up += tree.num_bytes(uploads)  # c uploads of a client's bytes each
+        for k, v in metrics.items():
+            self._sum(k, torch.as_tensor(v).detach().to(torch.float64).sum())
+
+    def _sum(self, key: str, value: torch.Tensor) -> None:
+        self.sums[key] = value if key not in self.sums else self.sums[key] + value.to(self.sums[key].device)
 
     def result(self) -> CohortResult:
         n = max(self.size, 1)
-        return CohortResult(self.agg.result(self.like), {k: v / n for k, v in self.sums.items()}, self.bytes_up)
+        return CohortResult(self.agg.result(self.like), {k: float(v) / n for k, v in self.sums.items()}, self.bytes_up)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """The simulator's round loop: sample, broadcast, run the cohort on an engine, then the shared bookkeeping
 (``hafedho.runtime.rounds.ServerRounds``: server update, divergence check, evaluation, metrics row, checkpoint) into the
-run directory (``hafedho.runtime.rundir.RunDir``)."""
+run directory (``hafedho.runtime.rundir.RunDir``).
+
+A run lives on its ``device`` (``core.device``): the runner moves the model and the data there once, keeps the
+server state, the client store (where ``client_store`` places it) and every pass there, and applies the run's
+``precision`` to every round."""
 
 from __future__ import annotations
 
@@ -9,18 +13,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hafedho.core import ConfigError, tree
+from hafedho.core.device import describe, free_bytes, precision, resolve_device
 from hafedho.engine_registry import engine_for
 from hafedho.experiment import Experiment
 from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
 from hafedho.runtime.rundir import RunDir
-from hafedho.runtime.store import ClientStore
+from hafedho.runtime.store import ClientStore, placement
 from hafedho.runtime.work import Engine, RoundWork, available_cores
 from hafedho.sim.fullgrad import fresh, params_dtype, prepare_round
 
 __all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
 
-DISK_STORE_ABOVE = 2 * 1024**3  # client_store="auto": memory-map per-client state larger than this
+DATA_ON_GPU_SHARE = 0.25  # the data moves to the GPU while its arrays take at most this share of the GPU's memory
 
 
 class Interrupted(KeyboardInterrupt):
@@ -35,17 +41,27 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
     torch threads (0: as set before) and restores the caller's setting afterwards.
     """
     fresh = not Path(run_dir).exists()
+    try:
+        device = resolve_device(exp.cfg.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     with RunDir(run_dir) as rd:
         previous = torch.get_num_threads()
         if exp.cfg.threads:
             torch.set_num_threads(exp.cfg.threads)
-        engine = engine_for(exp.cfg)  # the engine and its options, as the registry declares them
+        engine = engine_for(exp.cfg, device)  # the engine and its options, as the registry declares them
         try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
-            return _run(exp, rd, resume, force, progress, engine)
+            with precision(exp.cfg.precision):
+                return _run(exp, rd, resume, force, progress, engine, device)
         except KeyboardInterrupt:
+            rd.wait()  # the checkpoint being written, if any, is the one --resume continues from
             raise Interrupted(_interrupted_text(rd.path)) from None
         except Divergence:
             raise  # its marker and checkpoint stay
+        except torch.cuda.OutOfMemoryError:
+            if fresh:
+                rd.discard_unstarted()
+            raise ConfigError(_out_of_memory_text(device, rd.path)) from None
         except Exception:
             if fresh:  # e.g. a user's server_update that failed in round 1: no directory left behind
                 rd.discard_unstarted()
@@ -53,6 +69,21 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
         finally:
             engine.close()
             torch.set_num_threads(previous)
+
+
+def _out_of_memory_text(device: torch.device, run_dir: Path) -> str:
+    """One line for a run that did not fit on its GPU: what it held, what was free, and the settings that help."""
+    held = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        held = (
+            f" (this run held up to {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB of {total:.1f}; "
+            f"{free_bytes(device) / 2**30:.1f} GiB free now, other processes hold the rest)"
+        )
+    return (
+        f"{run_dir.name}: out of GPU memory on {device}{held}: run fewer runs on this GPU at once (sweep --jobs), "
+        "set vmap_chunk, client_store=memory, or device=cpu; --resume continues from the last checkpoint"
+    )
 
 
 def _interrupted_text(run_dir: Path) -> str:
@@ -96,20 +127,32 @@ def server_threads(engine: Engine) -> int:
     return max(torch.get_num_threads(), min(int(getattr(engine, "cores", 0)), available_cores()))
 
 
-def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool, engine: Engine) -> dict:
+def _run(
+    exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool, engine: Engine, device: torch.device
+) -> dict:
     cfg, alg, fed, model = exp.cfg, exp.alg, exp.fed, exp.model
     if rd.prepare(cfg, resume, force, exp.partition):
         return rd.rows()[-1]  # finished: nothing to do
     model.use_compile(cfg.compile, on_fallback=lambda text: tqdm.write(f"warning: {text}"))
-    rd.start(exp.partition, run_facts(exp, warn=lambda text: tqdm.write(f"warning: {text}")))
+    model.to(device)
+    if device.type == "cuda":  # the data too, while it takes at most DATA_ON_GPU_SHARE of the GPU
+        fed.to(
+            device, keep_on_host_above=int(DATA_ON_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory)
+        )
+    else:
+        fed.to(device)
 
     params0 = model.params()
-    server = alg.init_server(params0)
-    template = alg.init_client(params0)
-    on_disk = cfg.client_store == "disk" or (
-        cfg.client_store == "auto" and fed.num_clients * ClientStore.template_nbytes(template) > DISK_STORE_ABOVE
-    )
-    store = ClientStore(template, fed.num_clients, rd.path / "client_store" if on_disk else None)
+    server = tree.to(alg.init_server(params0), device)
+    template = tree.to(alg.init_client(params0), device)
+    need = fed.num_clients * ClientStore.template_nbytes(template)
+    place = placement(cfg.client_store, need, device, free_bytes(device))
+    store = ClientStore(template, fed.num_clients, rd.path / "client_store" if place == "disk" else None, device, place)
+    where = _where(device, engine, cfg.precision, place, need)
+    if progress:
+        tqdm.write(f"{cfg.run_name}: {where}")
+    facts = {"device": describe(device), "engine": engine.name, "precision": cfg.precision, "client_store": place}
+    rd.start(exp.partition, run_facts(exp, warn=lambda text: tqdm.write(f"warning: {text}"), **facts))
     start, server, wall = rd.resume(server, store) if resume else (1, server, 0.0)
     rd.truncate(start - 1)  # rounds after the checkpoint are recomputed identically
 
@@ -140,3 +183,17 @@ def _run(exp: Experiment, rd: RunDir, resume: bool, force: bool, progress: bool,
     bar.close()
     rd.mark_done()
     return server_rounds.rows[-1] if server_rounds.rows else {}
+
+
+def _where(device: torch.device, engine: Engine, policy: str, place: str, store_bytes: int) -> str:
+    """A run's first line: where it runs, on which engine, at which precision, and where its client store is."""
+    store = {"device": "on the GPU", "memory": "in RAM", "disk": "memory-mapped on disk"}[place]
+    size = f"client store {_size(store_bytes)} {store}" if store_bytes else "no client state"
+    return f"device {describe(device)}, engine {engine.name}, precision {policy}, {size}"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hafedho.report.runs import Section
 from hafedho.report.table import Cell, Table
 
 
 def status_table(section: Section) -> Table:
-    """How many runs are done, diverged, incomplete or not started; diverged, failed and left-out runs by name."""
+    """How many runs are done, diverged, incomplete or not started; diverged, failed and left-out runs by name; and
+    how many ran at each precision when any did not run at the default fp32 (``core.device``)."""
     runs = [r for g in section.groups for r in g.runs]
     counts = {k: sum(r.status == k for r in runs) for k in ("done", "diverged", "incomplete", "missing")}
     rows = [[Cell(k if k != "missing" else "not started"), Cell(str(v))] for k, v in counts.items() if v]
+    precisions = Counter(str(r.config.get("precision", "fp32")) for r in runs if r.config)
+    if set(precisions) - {"fp32"}:
+        rows += [[Cell(f"at precision {p}"), Cell(str(n))] for p, n in sorted(precisions.items())]
     if section.failed:
         rows.append([Cell("failed (last sweep)"), Cell(str(len(section.failed)))])
     if section.left_out:
