@@ -93,12 +93,13 @@ Side by side, in one run of"""
 def jobs(args: argparse.Namespace, config: Path, out: Path) -> dict[str, list[str]]:
     runs = str(args.sweep_runs)
     return {
-        "preset": ["run", str(config), str(out / "preset")],
-        "cifar": ["run", str(config), str(out / "cifar"), *CIFAR],
+        "preset": ["run", str(config), str(out / "@RUN@")],  # a folder per job, version and rep: a version never
+        # has to --force a folder another version wrote
+        "cifar": ["run", str(config), str(out / "@RUN@"), *CIFAR],
         "sweep": ["sweep", str(config), str(out / "@RUN@"), runs, f"rounds={args.sweep_rounds}"],
         "eval": ["eval", str(config), "10000", *CIFAR],
         "full": ["full", str(config), *CIFAR],
-        "process": ["run", str(config), str(out / "process"), *PROCESS, "engine=process", "workers=2"],
+        "process": ["run", str(config), str(out / "@RUN@"), *PROCESS, "engine=process", "workers=2"],
         "usual": ["usual", str(config), "5", *PROCESS],
     }
 

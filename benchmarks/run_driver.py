@@ -48,8 +48,8 @@ def instrument() -> None:
     fullgrad.full_gradients = timed("full_passes", fullgrad.full_gradients)
     make = runner.engine_for
 
-    def engine_for(cfg):
-        engine = make(cfg)
+    def engine_for(cfg, *device):  # versions since the device setting also pass the run's device
+        engine = make(cfg, *device)
         call = timed("steps", engine.__call__)
 
         class Timed:
@@ -75,7 +75,9 @@ def main(argv: list[str]) -> dict:
         instrument()
         from hafedho.cli import main as cli
 
-        cli(["run", config, "--out", argv[2], "--force", "--quiet", *argv[3:]])
+        code = cli(["run", config, "--out", argv[2], "--force", "--quiet", *argv[3:]])
+        if code:  # a failed run is no timing
+            raise SystemExit(f"hafedho run exited {code}")
     elif mode == "sweep":
         instrument()
         from hafedho.sweep.execute import run_spec
