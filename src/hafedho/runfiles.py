@@ -23,8 +23,9 @@ import platform
 import secrets
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -42,11 +43,17 @@ def named(e: OSError, path: Path) -> OSError:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into a temporary file beside ``path``, synced, then renamed onto ``path``: a reader (or a run
+    killed at any moment) sees the old file or the whole new one, never part of it."""
     # pid + random suffix: two writers (or a writer and a killed one's leftover) never share a temporary file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

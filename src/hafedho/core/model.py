@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from hafedho.core import tree
-from hafedho.core.sizing import rows_per_pass
+from hafedho.core.sizing import module_device, rows_per_pass
 from hafedho.core.tree import Params
 
 
@@ -69,8 +69,7 @@ class FunctionalModel:
     @property
     def device(self) -> torch.device:
         """Where the module's parameters live (the CPU for a module without any)."""
-        p = next(self.module.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        return module_device(self.module)
 
     def to(self, device: torch.device) -> FunctionalModel:
         """Move the module (parameters and buffers) to ``device`` in place; a compiled forward is rebuilt there."""

@@ -49,6 +49,11 @@ def _bytes(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text and text[-1] in units else int(text)
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module's parameters live (the CPU for a module without any)."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
 def activation_bytes(module: nn.Module, row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes per row of the activations of a forward of ``module``: every tensor that autograd saves for the
     backward (the inputs of convolutions and linear layers, ReLU and pooling outputs, whatever the module's code,
@@ -65,7 +70,7 @@ def activation_bytes(module: nn.Module, row_shape: tuple[int, ...], dtype: torch
 
     was_training = module.training
     module.eval()
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    device = module_device(module)
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = module(torch.zeros((2, *row_shape), dtype=dtype, device=device))
@@ -82,7 +87,7 @@ def rows_per_pass(module: nn.Module, row_shape: tuple[int, ...], dtype: torch.dt
     CPU's cache rule, or the GPU's memory rule for a module whose parameters are on a GPU; the largest number of
     rows allowed for a module whose forward cannot be measured on two zero rows (the pass then reports the
     module's own error)."""
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    device = module_device(module)
     if device.type == "cuda":
         budget, most = int(torch.cuda.get_device_properties(device).total_memory * GPU_SHARE), GPU_MAX_ROWS
     else:

@@ -22,13 +22,12 @@ them (shapes, dtypes, ids) before anything is written, so a torn or foreign file
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
-import secrets
 import shutil
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from hafedho.core.device import free_bytes
-from hafedho.runfiles import RunDirError, atomic_write_bytes, named
+from hafedho.runfiles import RunDirError, atomic_write
 from hafedho.runtime.store import ClientStore
 
 JOURNAL_DIR = "store"  # RUN/store/
@@ -76,11 +75,9 @@ class Journal:
 def save(path: Path, round: int, server: Any, store_template: list[torch.Tensor], extra: dict[str, Any]) -> None:
     """``checkpoint.pt``: the round, the server state's leaves (on the CPU), one client's initial state and
     ``extra`` (runtime facts; ``store_journal``: the journal's files)."""
-    buf = io.BytesIO()
     leaves = [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(server)]
     payload = {"round": round, "server": leaves, "store": [], "store_template": store_template, "extra": extra}
-    torch.save(payload, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write(path, lambda f: torch.save(payload, f))
 
 
 def saved_round(path: Path) -> int:
@@ -210,7 +207,7 @@ def write(run_dir: Path, path: Path, cap: Capture) -> None:
     if cap.delta is not None:
         ids, rows = cap.delta
         payload = {"round": cap.round, "ids": ids, "leaves": _host(rows, cap.stream)}
-        _atomic_torch_save(folder / cap.journal.deltas[-1], payload)
+        atomic_write(folder / cap.journal.deltas[-1], lambda f: torch.save(payload, f))
     save(path, cap.round, cap.server, cap.template, cap.extra)
     if cap.template:
         prune(run_dir, cap.journal)
@@ -233,25 +230,12 @@ def prune(run_dir: Path, journal: Journal) -> None:
             p.unlink(missing_ok=True)
 
 
-def _atomic_torch_save(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise named(e, path) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _block_rows(store: ClientStore) -> int:
+def _blocks(store: ClientStore) -> Iterator[np.ndarray]:
+    """The store's client ids in consecutive blocks of about ``BLOCK_BYTES`` of state each."""
     per_row = max(sum(leaf[0].numel() * leaf.element_size() for leaf in store.leaves), 1)
-    return max(1, BLOCK_BYTES // per_row)
+    block = max(1, BLOCK_BYTES // per_row)
+    for s in range(0, store.num_clients, block):
+        yield np.arange(s, min(s + block, store.num_clients))
 
 
 def _write_base(folder: Path, leaves: list[np.ndarray]) -> None:
@@ -289,8 +273,7 @@ def restore_store(run_dir: Path, store: ClientStore, payload: dict[str, Any], ex
         template = payload.get("store_template", [])
         if base is None:
             _check_template(template, store, ckpt)
-            for s in range(0, store.num_clients, _block_rows(store)):
-                ids = np.arange(s, min(s + _block_rows(store), store.num_clients))
+            for ids in _blocks(store):
                 store.load_rows(ids, [t.unsqueeze(0).expand(len(ids), *t.shape) for t in template])
         else:
             _copy_base(base, store)
@@ -337,10 +320,8 @@ def _read_base(folder: Path, store: ClientStore) -> list[np.ndarray]:
 
 
 def _copy_base(base: list[np.ndarray], store: ClientStore) -> None:
-    block = _block_rows(store)
-    for s in range(0, store.num_clients, block):
-        ids = np.arange(s, min(s + block, store.num_clients))
-        store.load_rows(ids, [torch.from_numpy(np.array(a[s : s + len(ids)])) for a in base])
+    for ids in _blocks(store):
+        store.load_rows(ids, [torch.from_numpy(np.array(a[ids[0] : ids[-1] + 1])) for a in base])
 
 
 def _read_delta(path: Path, store: ClientStore) -> tuple[np.ndarray, list[torch.Tensor]]:

@@ -135,12 +135,8 @@ def _run(
         return rd.rows()[-1]  # finished: nothing to do
     model.use_compile(cfg.compile, on_fallback=lambda text: tqdm.write(f"warning: {text}"))
     model.to(device)
-    if device.type == "cuda":  # the data too, while it takes at most DATA_ON_GPU_SHARE of the GPU
-        fed.to(
-            device, keep_on_host_above=int(DATA_ON_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory)
-        )
-    else:
-        fed.to(device)
+    gpu = device.type == "cuda"  # the data moves too, while it takes at most DATA_ON_GPU_SHARE of the GPU
+    fed.to(device, int(DATA_ON_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory) if gpu else None)
 
     params0 = model.params()
     server = tree.to(alg.init_server(params0), device)
