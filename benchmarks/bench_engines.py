@@ -45,10 +45,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hafedho.config import CONFIG_DIR, load_config
 from hafedho.core import RoundInfo
-from hafedho.engine_registry import make_engine
 from hafedho.experiment import build
 from hafedho.models import count_flops
 from hafedho.runtime.work import RoundWork, available_cores
+from hafedho.sim.engines.make import make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"

@@ -30,7 +30,7 @@ def test_embedded_default_and_overrides() -> None:
         (["rounds=1.5"], r"^rounds=1.5: expected int, got float$"),
         (["sampling.fraction=1.5"], r"^sampling.fraction=1.5: must be <= 1$"),
         (["data.num_clients=10", "sampling.cohort_size=20"], r"sampling.cohort_size=20 exceeds data.num_clients=10"),
-        (["engine='gpu'"], r"^engine='gpu': choose one of 'loop', 'process', 'vmap', 'auto'$"),
+        (["engine='gpu'"], r"^engine='gpu': choose one of 'loop', 'process', 'vmap', 'auto', or name your own"),
         (["data=3"], r"^data: expected a table"),
         (["noequals"], r"expected key=value"),
     ],

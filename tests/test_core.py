@@ -13,11 +13,13 @@ from hafedho.core import (
     ConfigError,
     FedAlgorithm,
     WeightedMean,
+    adam,
     chain,
     hp,
     local_train,
     mix,
     plain_objective,
+    server_step,
     sgd,
     shift,
     tree,
@@ -94,6 +96,54 @@ def test_transforms_shift_mix_momentum() -> None:
     # heavy ball, 2 steps, beta 0.5: v1 = g1 = (-1,0), w1 = (0.5,0); g2 = (-0.5,0), v2 = 0.5 v1 + g2 = (-1,0)
     res = local_train(plain_objective(model), w(0.0, 0.0), client_data((1.0, 0.0), steps=2), sgd(0.5, momentum=0.5))
     assert torch.allclose(res.params["w"], torch.tensor([1.0, 0.0]))
+
+
+def _steps(transform, grads: list[list[float]]) -> tuple[list[list[float]], object]:
+    """The updates of ``transform`` fed ``grads`` one after the other (float64 tensors), and its final state."""
+    p = {"x": torch.zeros(2, dtype=torch.float64)}
+    state, out = transform.init(p), []
+    for g in grads:
+        u, state = transform.update({"x": torch.tensor(g, dtype=torch.float64)}, state, p)
+        out.append(u["x"].tolist())
+    return out, state
+
+
+def test_sgd_momentum_and_nesterov_by_hand() -> None:
+    """g = (1, -2), (3, 0), (-1, 4); lr 0.5, beta 0.5.
+    Heavy ball: v = (1, -2), (3.5, -1), (0.75, 3.5); update -0.5 v = (-0.5, 1), (-1.75, 0.5), (-0.375, -1.75).
+    Nesterov: d = 0.5 v + g = (1.5, -3), (4.75, -0.5), (-0.625, 5.75); update -0.5 d; v as the heavy ball's."""
+    grads = [[1.0, -2.0], [3.0, 0.0], [-1.0, 4.0]]
+    ups, v = _steps(sgd(0.5, momentum=0.5), grads)
+    assert ups == [[-0.5, 1.0], [-1.75, 0.5], [-0.375, -1.75]] and v["x"].tolist() == [0.75, 3.5]
+    ups, v = _steps(sgd(0.5, momentum=0.5, nesterov=True), grads)
+    assert ups == [[-0.75, 1.5], [-2.375, 0.25], [0.3125, -2.875]] and v["x"].tolist() == [0.75, 3.5]
+    ups, state = _steps(sgd(0.5), grads)  # plain SGD keeps no state
+    assert ups == [[-0.5, 1.0], [-1.5, 0.0], [0.5, -2.0]] and state == ()
+    ups, v = _steps(sgd(0.5, momentum=0.0), grads)  # beta = 0 is plain SGD's steps, with a buffer v = g
+    assert ups == [[-0.5, 1.0], [-1.5, 0.0], [0.5, -2.0]] and v["x"].tolist() == [-1.0, 4.0]
+    with pytest.raises(ValueError, match="nesterov needs a momentum"):
+        sgd(0.5, nesterov=True)
+
+
+def test_adam_by_hand() -> None:
+    """lr 1, b1 = b2 = 0.5, eps 1, v0 2; g = (4, -4), (3, -21). No bias correction: m and v are used as they are.
+    Step 1: m = 0.5 g = (2, -2); v = 0.5 * 2 + 0.5 g^2 = (9, 9); update -m / (sqrt v + 1) = (-0.5, 0.5).
+    Step 2: m = 0.5 m + 0.5 g = (2.5, -11.5); v = 0.5 v + 0.5 g^2 = (9, 225); update = (-2.5 / 4, 11.5 / 16)."""
+    ups, s = _steps(adam(1.0, b1=0.5, b2=0.5, eps=1.0, v0=2.0), [[4.0, -4.0], [3.0, -21.0]])
+    assert ups == [[-0.5, 0.5], [-0.625, 0.71875]]
+    assert s.m["x"].tolist() == [2.5, -11.5] and s.v["x"].tolist() == [9.0, 225.0]
+    init = adam(0.1, v0=0.25).init({"x": torch.ones(3)})
+    assert init.m["x"].tolist() == [0.0] * 3 and init.v["x"].tolist() == [0.25] * 3  # m_0 = 0, v_0 = v0
+
+
+def test_server_step_feeds_the_pseudo_gradient() -> None:
+    """x_{t+1} = x_t + update(-delta): plain sgd(eta) is FedAvg's x + eta delta; the state comes back updated."""
+    x, delta = w(1.0, 2.0), w(0.5, -1.0)
+    params, state = server_step(sgd(0.5), x, delta, ())
+    assert params["w"].tolist() == [1.25, 1.5] and state == ()
+    params, v = server_step(sgd(1.0, momentum=0.5), x, delta, w(2.0, 2.0))  # v = 0.5 (2, 2) - (0.5, -1) = (0.5, 2)
+    assert v["w"].tolist() == [0.5, 2.0] and params["w"].tolist() == [0.5, 0.0]
+    assert x["w"].tolist() == [1.0, 2.0]  # pure
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

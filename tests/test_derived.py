@@ -19,7 +19,7 @@ from hafedho.report.study import Study
 from hafedho.report.tables import section_tables
 from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, SweepIndex, read_index, write_index
-from hafedho.sweep.presets import TWIN_OF_DERIVE, load_preset
+from hafedho.sweep.presets import load_preset
 
 DERIVE = "test_derived:with_momentum"
 
@@ -74,21 +74,32 @@ def test_a_bad_derive_reference_is_one_line(tmp_path: Path, derive: str, match: 
         expand(shadow_preset(tmp_path, derive), seeds=1)
 
 
-def test_twin_of_is_sugar_and_old_indexes_read_as_derived_rows(tmp_path: Path) -> None:
-    """``twin_of = ROW`` is ``of = ROW`` with the paper's momentum twin; an index written before derived rows had a
-    reference (``twins``: label -> row) reads the same way."""
-    path = tiny(tmp_path, extra='\n[[variants]]\nlabel = "t"\ntwin_of = "hafedho"\n')
-    assert load_preset(str(path)).derived == {"t": {"of": "hafedho", "derive": TWIN_OF_DERIVE}}
+def test_a_removed_sugar_and_an_old_index_are_refused_in_one_line(tmp_path: Path) -> None:
+    """The old sugar for the paper's derived row (a variant with ``twin_of`` and no ``derive``) is an ordinary
+    variant with an unknown key now; an index with a key of another version is refused, naming the fix."""
+    with pytest.raises(ConfigError, match=r"variants\[0\]: .*allowed keys"):
+        expand(load_preset(str(tiny(tmp_path, extra='\n[[variants]]\nlabel = "t"\ntwin_of = "hafedho"\n'))))
     old = tmp_path / "sweeps" / "old.json"
     old.parent.mkdir()
     old.write_text(json.dumps({"preset": "old", "runs": [], "twins": {"hafedho-twin": "hafedho"}}))
-    assert read_index(old).derived == {"hafedho-twin": {"of": "hafedho", "derive": TWIN_OF_DERIVE}}
+    with pytest.raises(ConfigError, match=r"old\.json: unknown key\(s\) twins .* `hafedho sweep old --out "):
+        read_index(old)
 
 
-def test_study_settings_over_the_paper_defaults() -> None:
-    """Unset keys take the paper study's (``hafedho.paper.study.REPORT``); set ones win; own = "" is no study."""
-    paper = Study.of({})
-    assert (paper.own, paper.own_name, paper.reference, paper.derived.noun) == ("hafedho", "HaFedHo", "fedavg", "twin")
+def test_study_settings_and_the_neutral_default() -> None:
+    """A section with no study settings has none (no own row, no derived reading, no added kinds); the paper's
+    (``hafedho_paper.study:REPORT``, the plugin) is taken by reference, and an old reference to it still resolves
+    through the plugin's ``renamed``; set keys win; own = "" is no study."""
+    assert Study.of({}) == Study()
+    for ref in ("hafedho_paper.study:REPORT", "hafedho.paper.study:REPORT"):
+        paper = Study.of({"study": ref})
+        assert (paper.own, paper.own_name, paper.reference, paper.derived.noun) == (
+            "hafedho",
+            "HaFedHo",
+            "fedavg",
+            "twin",
+        )
+        assert set(paper.tables) == set(paper.figures) == {"diagnostics"}
     mine = Study.of({"own": "fedprox", "reference": "fedavg", "derived": {"name": "Shadow", "noun": "shadow"}})
     assert (mine.own, mine.own_name, mine.reference_name, mine.derived.name, mine.derived.note) == (
         "fedprox",

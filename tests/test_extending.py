@@ -56,7 +56,8 @@ def env() -> dict[str, str]:
 
 def test_fedadam_server_update_is_adams_step_in_float64() -> None:
     """Two rounds of FedAdam's server on float64 trees against Algorithm 2 written out in numpy: Delta_t the plain
-    mean of the cohort's deltas, m and v Adam's moments from m_{-1} = 0, v_{-1} = tau^2, then the step."""
+    mean of the cohort's deltas, m and v Adam's moments from m_{-1} = 0, v_{-1} = tau^2, then the step. The server
+    keeps the ``adam`` transform's moments of the pseudo-gradient -Delta_t: (-m_t, v_t)."""
     alg = algorithm_class(FEDADAM)(server_lr=0.1, beta1=0.8, beta2=0.95, tau=0.01)
     gen = torch.Generator().manual_seed(0)
     x = {"w": torch.randn(3, 4, generator=gen, dtype=torch.float64), "b": torch.randn(4, generator=gen).double()}
@@ -76,10 +77,31 @@ def test_fedadam_server_update_is_adams_step_in_float64() -> None:
             ref_m[k] = 0.8 * ref_m[k] + 0.2 * delta
             ref_v[k] = 0.95 * ref_v[k] + 0.05 * delta**2
             ref_x[k] = ref_x[k] + 0.1 * ref_m[k] / (np.sqrt(ref_v[k]) + 0.01)
-            for got, want in ((server.params, ref_x), (server.m, ref_m), (server.v, ref_v)):
-                assert got[k].dtype == torch.float64
-                np.testing.assert_allclose(got[k].numpy(), want[k], rtol=1e-12, atol=1e-15)
+            pairs = ((server.params[k], ref_x[k]), (server.opt.m[k], -ref_m[k]), (server.opt.v[k], ref_v[k]))
+            for got, want in pairs:
+                assert got.dtype == torch.float64
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-15)
     assert not np.allclose(ref_x["w"], x["w"].numpy())  # the step moved the model
+
+
+def test_fedadam_is_the_hand_written_server_bit_for_bit() -> None:
+    """Four float32 rounds: the same bits as the server the example wrote out before it ran the library's ``adam``
+    (that code is the reference below, op for op); the moments are kept as the transform's, m of -Delta_t."""
+    alg = algorithm_class(FEDADAM)()
+    gen = torch.Generator().manual_seed(2)
+    x = {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(4, generator=gen)}
+    server = alg.init_server(x)
+    m, v = {k: torch.zeros_like(p) for k, p in x.items()}, {k: torch.full_like(p, alg.tau**2) for k, p in x.items()}
+    b1, b2 = alg.beta1, alg.beta2
+    for t in range(1, 5):
+        d = {k: 0.1 * torch.randn(p.shape, generator=gen) for k, p in x.items()}
+        server, _ = alg.server_update(server, Upload(d), RoundInfo(t, 10, 2))
+        m = {k: b1 * m[k] + (1 - b1) * d[k] for k in d}
+        v = {k: b2 * v[k] + (1 - b2) * d[k] ** 2 for k in d}
+        x = {k: x[k] + alg.server_lr * m[k] / (v[k].sqrt() + alg.tau) for k in d}
+        for k in d:
+            assert torch.equal(server.params[k], x[k]) and torch.equal(server.opt.v[k], v[k])
+            assert torch.equal(server.opt.m[k], -m[k])
 
 
 def test_the_tutorial_shows_the_example_as_it_is() -> None:
@@ -130,10 +152,11 @@ def test_the_tutorial_runs_from_the_command_line_and_from_python(tmp_path: Path)
     x0 = exp.model.params()
     _, server, _, _ = checkpoint.load(res.run_dir / "checkpoint.pt", exp.alg.init_server(x0))
     a = exp.alg
-    delta = {k: m.double() / (1 - a.beta1) for k, m in server.m.items()}  # Delta_1, since m_0 = 0
+    m1 = {k: -m.double() for k, m in server.opt.m.items()}  # the paper's m_1 (the state's is of -Delta_1)
+    delta = {k: m / (1 - a.beta1) for k, m in m1.items()}  # Delta_1, since m_0 = 0
     v1 = {k: a.beta2 * a.tau**2 + (1 - a.beta2) * d**2 for k, d in delta.items()}
-    x1 = {k: x0[k].double() + a.server_lr * server.m[k].double() / (v1[k].sqrt() + a.tau) for k in x0}
-    fp32_close({k: v.double() for k, v in server.v.items()}, v1, reduction=1, steps=1, what="v_1")
+    x1 = {k: x0[k].double() + a.server_lr * m1[k] / (v1[k].sqrt() + a.tau) for k in x0}
+    fp32_close({k: v.double() for k, v in server.opt.v.items()}, v1, reduction=1, steps=1, what="v_1")
     fp32_close({k: v.double() for k, v in server.params.items()}, x1, reduction=1, steps=1, what="x_1")
     assert max(float((server.params[k] - x0[k]).abs().max()) for k in x0) > 1e-3  # a real step was taken
 
@@ -251,6 +274,103 @@ def test_an_undecorated_subclass_and_a_wrong_return_are_refused(tmp_path: Path) 
     hafedho.register(lambda path=None: [1, 2], name="not_data", kind="data")
     with pytest.raises(Exception, match=r"returned list, not a hafedho\.data\.dataset\.Dataset"):
         hafedho.run("smoke", "data.source=not_data", out=tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- a user's engine
+
+BAD_ENGINES = """
+from hafedho.sim.engines.loop import LoopEngine
+
+NOT_A_CLASS = 3
+
+
+class NoClose:
+    name = "no_close"
+
+    def __call__(self, work, cohort, store):
+        raise AssertionError("never run")
+
+
+class Broken(LoopEngine):
+    def __init__(self, workers):
+        raise RuntimeError(f"no pool of {workers}")
+
+
+class WithWorkers(LoopEngine):
+    def __init__(self, workers, chunk=-1, other=None):
+        self.workers, self.chunk, self.other = workers, chunk, other
+
+
+class TakesAll(LoopEngine):
+    def __init__(self, **options):
+        self.options = options
+"""
+
+
+@pytest.fixture
+def user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder on ``sys.path`` holding ``my_engines`` (docs/extending.md's engine, as printed) and
+    ``my_bad_engines``; both are forgotten after the test, so each test imports them afresh."""
+    code = tmp_path / "code"
+    code.mkdir()
+    doc = (REPO / "docs" / "extending.md").read_text().split("## 10. An engine of your own", 1)[1]
+    (code / "my_engines.py").write_text(doc.split("```python\n", 1)[1].split("```", 1)[0])
+    (code / "my_bad_engines.py").write_text(BAD_ENGINES)
+    monkeypatch.syspath_prepend(str(code))
+    for name in ("my_engines", "my_bad_engines"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield code
+    for name in ("my_engines", "my_bad_engines"):
+        sys.modules.pop(name, None)
+
+
+def test_a_user_engine_by_reference_runs_like_loop(
+    user_code: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/extending.md's engine (``loop`` counting its calls), named by reference: it runs every round, the run
+    is the one ``engine=loop`` names (the engine is no part of the identity), its rows equal ``loop``'s bit for
+    bit, and the first line and ``run.json`` name it by its reference."""
+    ref = "my_engines:CountingEngine"
+    assert main(["run", "smoke", "rounds=2", f"engine={ref}", "--out", str(tmp_path / "mine")]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[0]
+    from my_engines import CountingEngine
+
+    assert CountingEngine.calls == 2
+    ref_run = hafedho.run("smoke", "engine=loop", out=tmp_path / "loop", rounds=2)
+    mine = tmp_path / "mine" / ref_run.run_dir.name
+    assert f"{mine.name}: device cpu, engine {ref} (counting), precision" in first
+    assert json.loads((mine / "run.json").read_text())["engine"] == f"{ref} (counting)"
+    assert no_wall(read_metrics(mine)) == no_wall(ref_run.rows) and len(ref_run.rows) == 2
+
+
+def test_a_user_engine_gets_the_options_it_names_on_any_device(user_code: Path) -> None:
+    from hafedho.sim.engines.make import engine_for, make_engine
+
+    eng = make_engine("my_bad_engines:WithWorkers", workers=3, vmap_chunk=5)
+    assert (eng.workers, eng.chunk, eng.other) == (3, 5, None)  # chunk: the vmap engine's keyword for vmap_chunk
+    assert make_engine("my_bad_engines:TakesAll", workers=2).options == {"workers": 2, "vmap_chunk": 0}
+    cfg = load_config(SMOKE, ["engine=my_engines:CountingEngine"])
+    assert engine_for(cfg, torch.device("cuda", 0)).name == "counting"  # built, not run: no GPU needed
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        ("no_such_pkg.engines:Mine", "engine='no_such_pkg.engines:Mine': module 'no_such_pkg' not found; make its"),
+        ("my_bad_engines:Missing", "has no attribute 'Missing'"),
+        ("my_bad_engines:NOT_A_CLASS", "names an object of type int, not a class; an engine has name (a str), "),
+        ("my_bad_engines:NoClose", "NoClose has no close(); an engine has name"),
+        ("my_bad_engines:Broken", "building it raised RuntimeError: no pool of 0; fix its constructor"),
+        ("gpu", "engine='gpu': choose one of 'loop', 'process', 'vmap', 'auto', or name your own engine class as"),
+    ],
+)
+def test_a_bad_engine_is_one_line_naming_the_fix(
+    engine: str, expected: str, user_code: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "smoke", f"engine={engine}", "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hafedho: error: ") and err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()  # refused before the run's lock or directory
 
 
 # ------------------------------------------------------------------------------------------------ register

@@ -19,8 +19,9 @@ import pytest
 import torch
 from quadratic import COHORTS, A, close, rnd, rounds, run_round, w
 
-from hafedho.algorithms.fedavg import FedAvg
+from hafedho.algorithms.fedavg import FedAvg, Upload
 from hafedho.algorithms.fedavgm import FedAvgM, ServerState
+from hafedho.core import RoundInfo, tree
 
 
 def test_two_rounds_by_hand() -> None:
@@ -71,3 +72,33 @@ def test_beta_zero_is_fedavg_exactly(weighting: str, server_lr: float) -> None:
             assert torch.equal(ms.params["w"], fs.params["w"])
         else:
             assert torch.allclose(ms.params["w"], fs.params["w"], atol=1e-7)
+
+
+def hand_written_server(alg: FedAvgM, server: ServerState, delta: dict) -> ServerState:
+    """FedAvgM's server as written out before it ran ``sgd`` through ``server_step``: the reference, op for op."""
+    delta_w = tree.scale(delta, -1.0)  # Delta_w = -mean Delta_i
+    v = tree.axpy(alg.beta, server.v, delta_w)  # beta v + Delta_w
+    step = tree.axpy(alg.beta, v, delta_w) if alg.nesterov else v
+    params = tree.axpy(-alg.server_lr, step, server.params)
+    return ServerState(params, v)
+
+
+@pytest.mark.parametrize(
+    ("beta", "nesterov", "server_lr"), [(0.9, False, 1.0), (0.9, True, 0.7), (0.0, False, 0.3), (0.37, True, 1.0)]
+)
+def test_server_is_the_hand_written_heavy_ball_bit_for_bit(beta: float, nesterov: bool, server_lr: float) -> None:
+    """Five float32 rounds of random deltas: the same bits as the hand-written recursion (params, v, v_norm), and
+    the state keeps its shape ``ServerState(params, v)`` (checkpoints store its leaves in that order)."""
+    alg = FedAvgM(beta=beta, nesterov=nesterov, server_lr=server_lr)
+    gen = torch.Generator().manual_seed(1)
+    x = {"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen)}
+    server = ref = alg.init_server(x)
+    assert type(server) is ServerState and server._fields == ("params", "v")
+    assert all(torch.equal(server.v[k], torch.zeros_like(x[k])) for k in x)
+    for t in range(1, 6):
+        delta = {k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in x.items()}
+        server, metrics = alg.server_update(server, Upload(delta), RoundInfo(t, 10, 2))
+        ref = hand_written_server(alg, ref, delta)
+        for k in x:
+            assert torch.equal(server.params[k], ref.params[k]) and torch.equal(server.v[k], ref.v[k])
+        assert metrics == {"server/v_norm": float(tree.sq_norm(ref.v).sqrt())}

@@ -101,14 +101,10 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the modules it imports; a package's ``__init__`` re-exporting its own modules is no edge (Python
     runs the ``__init__`` before any of its modules, so ``from hafedho.core import tree`` in a core module is
     no cycle), but any other import from an ``__init__`` is."""
-    from hafedho.engine_registry import ENGINES
-
     graph = {}
     for name, path in MODULES.items():
         own = name + "." if path.name == "__init__.py" else None
         graph[name] = {m for m in imported_modules(path) if own is None or not m.startswith(own)}
-    registry = "hafedho.engine_registry"  # it imports its engines by module path, on demand: edges too
-    graph[registry] |= {spec.target.partition(":")[0] for spec in ENGINES.values()} - {registry}
     return graph
 
 
@@ -152,12 +148,17 @@ def test_data_does_not_import_the_simulator() -> None:
     assert not any(bad.values()), bad
 
 
+# The factory beside the engines (make_engine, engine_for, auto): it reads the registry and loads engines by
+# name, so it is the one module of sim/engines exempt from the rule below; no engine imports it.
+ENGINE_FACTORY = "hafedho.sim.engines.make"
+
+
 def test_engines_import_no_other_engine_nor_the_registry() -> None:
     """An engine module stands on ``runtime.work`` and imports nothing else of ``sim`` (least of all the registry,
     which names the engines: that edge is the cycle the registry split removed)."""
     graph = import_graph()
     for m in graph:
-        if m.startswith("hafedho.sim.engines."):
+        if m.startswith("hafedho.sim.engines.") and m != ENGINE_FACTORY:
             bad = {i for i in graph[m] if i.startswith("hafedho.sim") or i == "hafedho.engine_registry"}
             assert not bad, (m, bad)
 
@@ -173,7 +174,6 @@ LAYERS: list[set[str]] = [
     {"sim", "flower"},
     {"sweep"},
     {"report"},
-    {"paper"},  # the HaFedHo study: loaded by reference from below (derive, report.study.DEFAULTS), never imported
     {"api"},
     {"cli", "hafedho"},  # hafedho: the package's __init__ (hafedho.run, hafedho.register)
     {"__main__"},  # python -m hafedho
@@ -186,8 +186,8 @@ def group(module: str) -> str:
 
 
 def test_imports_follow_the_documented_layers() -> None:
-    """Every import points down docs/architecture.md's list. The one exception is the engine registry's edges to
-    the engines it names by module path (loaded on demand, as plugins are) and to their types for annotations."""
+    """Every import points down docs/architecture.md's list, without exception (the engine registry names its
+    engines as strings; ``sim.engines.make`` imports them)."""
     level = {g: i for i, layer in enumerate(LAYERS) for g in layer}
     graph = import_graph()
     assert {group(m) for m in graph} == set(level), sorted({group(m) for m in graph} ^ set(level))
@@ -195,7 +195,7 @@ def test_imports_follow_the_documented_layers() -> None:
     for m, deps in graph.items():
         for d in deps:
             a, b = group(m), group(d)
-            if a == b or (a == "engine_registry" and b in ("sim", "runtime")):
+            if a == b:
                 continue
             if level[b] >= level[a]:
                 bad.append(f"{m} -> {d}")
@@ -271,39 +271,124 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
-def algorithm_literals(code: str, names: list[str], package: str = "hafedho") -> list[str]:
-    """The string literals of ``code`` (docstrings aside; f-strings' literal parts included) that name one of
-    ``names``, as ``LINE: literal``: as a word in any case, except that the package's own name (also its command
-    and its modules' prefix) counts only as the whole literal or spelled otherwise than in lower case."""
+def _identifiers(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every name ``code`` defines or uses: variables, attributes, functions, classes, arguments, keywords, imports."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute):
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append((node.lineno, node.name))
+        elif isinstance(node, ast.arg):
+            out.append((node.lineno, node.arg))
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.append((node.value.lineno, node.arg))
+        elif isinstance(node, ast.alias):
+            out += [(node.lineno, part) for part in (node.asname or node.name).split(".")]
+    return out
+
+
+def named_in_code(code: str, names: list[str], fragments: list[str] = (), package: str = "hafedho") -> list[str]:
+    """What a reader of ``code`` (docstrings and comments aside) sees naming one of ``names`` or ``fragments``, as
+    ``LINE: what``: an identifier holding a name in any case (``twin_share``); a string literal (f-strings' literal
+    parts included) holding a name as a word in any case, or a fragment anywhere (a package-prefixed reference
+    ``"hafedho_paper.twin:f"``, a metric key ``"diag/h_cos"``). The package's own name (also its command and its
+    modules' prefix) counts in a literal only as the whole literal or spelled otherwise than in lower case."""
     tree = ast.parse(code)
     skip, hits = _docstrings(tree), []
+    for line, ident in _identifiers(tree):
+        hits += [f"{line}: identifier {ident!r} names {n}" for n in names if n != package and n in ident.lower()]
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
             continue
+        text = node.value
+        hits += [f"{node.lineno}: {text[:60]!r} holds {f}" for f in fragments if f in text]
         for name in names:
-            for m in re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", node.value, flags=re.IGNORECASE):
-                if name != package or m.group(0) != package or node.value.lower() == package:
-                    hits.append(f"{node.lineno}: {node.value[:60]!r} names {name}")
+            for m in re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", text, flags=re.IGNORECASE):
+                if name != package or m.group(0) != package or text.lower() == package:
+                    hits.append(f"{node.lineno}: {text[:60]!r} names {name}")
     return hits
 
 
-def test_the_generic_layers_name_no_algorithm() -> None:
-    """No module of core/, sweep/, report/, runtime/ or sim/ names a registered algorithm in a string literal: what
-    belongs to one method (the paper's HaFedHo study) is in hafedho.paper, behind generic extension points."""
-    from hafedho.algorithms import REGISTRY
+def study_vocabulary() -> tuple[list[str], list[str]]:
+    """What names a method or a study rather than the library: every registered algorithm, each installed
+    plugin's word for its derived row (the paper's "twin"); and as fragments, each plugin's package and the
+    packages it was known by (``renamed``: ``hafedho.paper``), and every diagnostic metric prefix an algorithm
+    names for its estimate (``diag/h_``, ``Diagnostics.name``)."""
+    from importlib import metadata
 
+    from hafedho.algorithms import REGISTRY
+    from hafedho.core import Diagnostics
+    from hafedho.core.plugins import plugins
+    from hafedho.core.refs import import_reference
+
+    names, fragments = sorted(REGISTRY), []
+    for ep in metadata.entry_points(group="hafedho.plugins"):
+        fragments.append(ep.value.partition(":")[0].split(".")[0] + ".")
+    for plugin in plugins().values():
+        fragments += [f"{old}." for old in plugin.renamed]
+    study = import_reference("test", "hafedho_paper.study:REPORT", ValueError)
+    names.append(study["derived"]["noun"])  # type: ignore[index]
+    for cls in REGISTRY.values():
+        d = Diagnostics.of(cls())
+        if d.estimate is not None:
+            fragments.append(f"diag/{d.name}_")
+    return names, sorted(set(fragments))
+
+
+def test_the_generic_layers_name_no_method_nor_study() -> None:
+    """No module of core/, sweep/, report/, runtime/ or sim/ names a registered algorithm, the study's derived row,
+    a plugin's package or an algorithm's diagnostic metrics in its code (identifiers and literals): what belongs to
+    one method (the paper's HaFedHo study) is in the study plugin (study/hafedho_paper), behind generic extension
+    points."""
+    names, fragments = study_vocabulary()
+    assert {"hafedho", "twin"} <= set(names) and {"hafedho_paper.", "hafedho.paper.", "diag/h_"} <= set(fragments)
     hits = [
         f"{p.relative_to(SRC)}:{h}"
         for g in GENERIC
         for p in sorted((SRC / g).rglob("*.py"))
-        for h in algorithm_literals(p.read_text(), sorted(REGISTRY))
+        for h in named_in_code(p.read_text(), names, fragments)
     ]
     assert not hits, hits
 
 
-def test_algorithm_literals_finds_them() -> None:
+def test_named_in_code_finds_each_kind() -> None:
+    """A planted violation of each kind is found; docstrings, comments and the package's own prefix are not."""
+    names, fragments = ["fedavg", "hafedho", "twin"], ["hafedho_paper.", "hafedho.paper.", "diag/h_"]
     code = (
-        '"""hafedho and FedAvg in a docstring."""\nOWN = "hafedho"\nX = f"{a} FedAvg lead"\ncmd = "hafedho report"\n'
-        'ref = "hafedho.paper.twin:t"\nY = "HaFedHo"\nZ = "fedavgm"\n'
+        '"""hafedho, a twin and FedAvg in a docstring."""\nOWN = "hafedho"\nX = f"{a} FedAvg lead"\n'
+        'cmd = "hafedho report"  # a twin in a comment\nmod = "hafedho.report.build"\n'
+        'ref = "hafedho_paper.twin_rows:t"\nold = "hafedho.paper.study:R"\nkey = "diag/h_cos"\n'
+        "def twin_share(x):\n    return x.twin\n"
     )
-    assert sorted(h.split(":")[0] for h in algorithm_literals(code, ["fedavg", "hafedho"])) == ["2", "3", "6"]
+    lines = sorted({int(h.split(":")[0]) for h in named_in_code(code, names, fragments)})
+    assert lines == [2, 3, 6, 7, 8, 9, 10], named_in_code(code, names, fragments)
+    assert named_in_code("def f(fedavg_rows): pass\n", names)  # an argument
+    assert named_in_code("g(twin=1)\n", names) and named_in_code("from a import twin_b\n", names)
+
+
+def test_the_library_imports_nothing_of_a_plugin() -> None:
+    """``src/hafedho`` never imports the study (nor any installed plugin), at module level or inside functions:
+    plugins are loaded through their entry points and named by reference only."""
+    _, fragments = study_vocabulary()
+    packages = {f.rstrip(".") for f in fragments if not f.startswith("diag/")}
+    hits = [
+        f"{name}: {m}"
+        for name, path in MODULES.items()
+        for m in top_level_and_lazy_imports(path)
+        if any(m == p or m.startswith(f"{p}.") for p in packages)
+    ]
+    assert not hits, hits
+    assert not (SRC / "paper").exists()
+
+
+def top_level_and_lazy_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names

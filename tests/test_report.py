@@ -16,7 +16,7 @@ from hafedho.cli import main
 from hafedho.config import ConfigError
 from hafedho.report.build import write_report
 from hafedho.report.layout import Layout, pct
-from hafedho.report.plots import twin_points
+from hafedho.report.plots import derived_points
 from hafedho.report.runs import load_sections
 from hafedho.report.stats import Stat, final_value, rounds_to
 from hafedho.report.summary import summary_rows
@@ -25,7 +25,8 @@ from hafedho.report.tables.to_target import to_target_tables
 from hafedho.sweep.index import IndexEntry, SweepIndex, read_index
 from hafedho.toml_io import dump_toml
 
-TWIN_ROWS = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
+TWIN_ROWS = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho_paper.twin:momentum_twin"}}
+PAPER = "hafedho_paper.study:REPORT"  # the paper study (the plugin in study/), as its presets name it
 
 
 def make_run(
@@ -75,7 +76,7 @@ def write_index(root: Path, preset: str, runs: list[dict[str, Any]], report: dic
     """A sweep index in the format `hafedho sweep` writes (hafedho.sweep.index, its one owner)."""
     row_axes = [a for a in axes if a.startswith("algorithm.")]
     entries = [IndexEntry(**r) for r in runs]
-    SweepIndex(preset, "cpu", "hand-made", axes, row_axes, report, entries).write(root)
+    SweepIndex(preset, "cpu", "hand-made", axes, row_axes, {"study": PAPER, **report}, entries).write(root)
 
 
 def test_statistics_by_hand() -> None:
@@ -87,7 +88,8 @@ def test_statistics_by_hand() -> None:
 
 
 def test_plain_runs_final_best_and_bold(tmp_path: Path) -> None:
-    """Two algorithms x 2 seeds, no sweep index: one summary table with mean ± std (ddof 1) over seeds."""
+    """Two algorithms x 2 seeds, no sweep index: one summary table with mean ± std (ddof 1) over seeds; no study
+    (a plain folder names none), so no lead row and no verdict."""
     a = {0: [0.2, 0.5, 0.6, 0.7], 1: [0.3, 0.4, 0.8, 0.9]}
     b = {0: [0.1, 0.2, 0.3, 0.4], 1: [0.2, 0.3, 0.4, 0.95]}
     for s in (0, 1):
@@ -98,7 +100,7 @@ def test_plain_runs_final_best_and_bold(tmp_path: Path) -> None:
     # final = mean of the last 2 evaluations: hafedho 65, 85; fedavg 35, 67.5. best: hafedho 70, 90; fedavg 40, 95
     assert "| hafedho | 2 | **75.00 ± 14.14** | **80.00 ± 14.14** |" in md
     assert "| fedavg | 2 | 51.25 ± 22.98 | 67.50 ± 38.89 |" in md
-    assert "| HaFedHo lead over best baseline (pp) |  | +23.75 |  |" in md
+    assert "lead over" not in md and "Verdict" not in md
     rows = {r["row"]: r for r in csv.DictReader((tmp_path / "rep" / "summary.csv").open())}
     assert float(rows["hafedho"]["final_mean"]) == pytest.approx(0.75) and rows["fedavg"]["seeds"] == "2"
     assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 5000
@@ -174,9 +176,12 @@ def test_rounds_to_target_counts_seeds_that_never_reach(tmp_path: Path) -> None:
 
 
 def test_auto_targets_from_fedavg(tmp_path: Path) -> None:
+    runs = []
     for s in range(2):
         make_run(tmp_path, f"fedavg-s{s}", "fedavg", s, [0.2, 0.4, 0.5, 0.5])
         make_run(tmp_path, f"hafedho-s{s}", "hafedho", s, [0.3, 0.5, 0.6, 0.6])
+        runs += [{"dir": f"{a}-s{s}", "label": a, "seed": s} for a in ("fedavg", "hafedho")]
+    write_index(tmp_path, "t", runs, {"reference": "fedavg"}, [])  # the study's reference sets the targets
     (section,) = load_sections(tmp_path)
     (table,) = to_target_tables(Layout.of(section))
     # fedavg's final (mean of all 4, last = 10) = 0.4; targets 80/90/100% -> 32.0, 36.0, 40.0
@@ -503,7 +508,7 @@ def test_verdict_rule_by_hand() -> None:
     assert verdict(own, base, None) == HOLDS and verdict(base, own, None) == FAILS
     assert verdict(own, base, Stat([0.60, 0.61, 0.62], 3)) == HOLDS
     assert verdict(own, base, Stat([0.80, 0.805, 0.81], 3)) == MATCHES
-    twin = matches_text(Study.of({}))  # the default study's words: the paper's momentum twin
+    twin = matches_text(Study.of({"study": PAPER}))  # the paper study's words: its momentum twin
     assert verdict(own, base, Stat([0.80, 0.805, 0.81], 3), twin) == twin
     assert twin == "holds, but the twin matches it (the gain is server momentum)"
     assert verdict(own, Stat([0.70, 0.80, 0.90], 3), None) == TIE  # gap 0.01 < std 0.1
@@ -522,7 +527,7 @@ def test_verdict_table_from_hand_made_runs(tmp_path: Path) -> None:
             make_run(tmp_path, name, alg, s, [acc - 0.2, acc + 0.005 * s])
             entry = {"dir": name, "label": label, "seed": s, "point": {}, "reference": label == "centralized"}
             runs.append(entry)
-    index = SweepIndex("t1", "cpu", "hand-made", [], [], {"last": 1})
+    index = SweepIndex("t1", "cpu", "hand-made", [], [], {"last": 1, "study": PAPER})
     index.runs, index.derived = [IndexEntry(**r) for r in runs], TWIN_ROWS  # as twin_of writes it
     index.write(tmp_path)
     (section,) = load_sections(tmp_path)
@@ -561,7 +566,7 @@ def test_momentum_twin_rows_and_notes(tmp_path: Path) -> None:
     note = 'no hafedho-twin for hafedho [dataset=synth, accumulate=f]: gradient rectification (accumulate = "f")'
     entries = [IndexEntry(**r) for r in runs]
     axes = ["dataset", "algorithm.name"]
-    index = SweepIndex("t1", "cpu", "hand-made", axes, ["algorithm.name"], {"last": 2}, entries)
+    index = SweepIndex("t1", "cpu", "hand-made", axes, ["algorithm.name"], {"last": 2, "study": PAPER}, entries)
     index.derived, index.notes = TWIN_ROWS, [note]
     index.write(tmp_path)
     files = write_report(tmp_path, tmp_path / "rep")
@@ -601,7 +606,7 @@ def test_momentum_twin_rows_split_by_beta_along_a_mu_axis(tmp_path: Path) -> Non
             {"dir": f"t{mu}", "label": "hafedho-twin", "seed": 0, "point": point},
         ]
     axes = ["algorithm.name", "algorithm.hafedho.mu"]
-    index = SweepIndex("f3", "cpu", "", axes, axes, {"last": 1})
+    index = SweepIndex("f3", "cpu", "", axes, axes, {"last": 1, "study": PAPER})
     index.runs, index.derived = [IndexEntry(**r) for r in runs], TWIN_ROWS
     index.write(root)
     (section,) = load_sections(root)
@@ -613,10 +618,10 @@ def test_momentum_twin_rows_split_by_beta_along_a_mu_axis(tmp_path: Path) -> Non
         "FedAvgM, β = λμ = 0.5": "72.00",
     }
     lay = Layout.of(section)  # HaFedHo's accuracy-vs-mu figure draws the twin at mu = beta / lambda (lambda = 10)
-    points = twin_points(lay, "hafedho", "mu", lay.columns[0])
+    points = derived_points(lay, "hafedho", "mu", lay.columns[0])
     assert list(points) == ["FedAvgM, β = λμ"]
     assert points["FedAvgM, β = λμ"] == [pytest.approx((0.01, 55.0, 0.0)), pytest.approx((0.05, 72.0, 0.0))]
-    assert twin_points(lay, "hafedho", "accumulate", lay.columns[0]) == {}
+    assert derived_points(lay, "hafedho", "accumulate", lay.columns[0]) == {}
     figures = {f.name for f in write_report(root, root / "rep").figures}
     assert {"hafedho_vs_mu.png", "hafedho-twin_vs_beta.png"} <= figures
 

@@ -14,9 +14,8 @@ from helpers import SMOKE_PRESET_TABLES, no_wall
 
 from hafedho.cli import main
 from hafedho.report.build import write_report
-from hafedho.runfiles import read_metrics
+from hafedho.runfiles import read_metrics, run_state
 from hafedho.sweep.browse import results_index
-from hafedho.sweep.execute import run_status
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"config.toml", "env.json", "partition.json", "run.json", "metrics.jsonl", "done", "diverged"}
@@ -138,11 +137,11 @@ def test_extending_a_committed_run_stops_with_one_line(
     full = tmp_path / "full"
     shutil.copytree(out, full)
     rows = read_metrics(full / done.name)
-    assert run_status(full / done.name, 5) == "short" and run_status(full / done.name, 3) == "done"
+    assert run_state(full / done.name, 5).status == "short" and run_state(full / done.name, 3).status == "done"
     assert main(["sweep", str(preset), "--out", str(full), "--quiet", "rounds=5"]) == 0
     after = read_metrics(full / done.name)
     assert [r["round"] for r in after] == [1, 2, 3, 4, 5] and no_wall(after[:3]) == no_wall(rows)
-    assert run_status(full / done.name, 5) == "done" and run_status(full / done.name, 3) == "done"
+    assert run_state(full / done.name, 5).status == "done" and run_state(full / done.name, 3).status == "done"
 
 
 def test_the_results_index_lists_each_presets_runs(

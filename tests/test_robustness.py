@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_report import PAPER as PAPER_STUDY
 from test_report import make_run
 
 from hafedho.config import ConfigError
@@ -24,6 +25,7 @@ FINAL = {
     ("synth", "main"): {"hafedho": 0.60, "feddyn": 0.50, "fedavg": 0.40, "twin": 0.50},
     ("synth", "head"): {"hafedho": 0.50, "feddyn": 0.50, "fedavg": 0.30, "twin": 0.35},  # a tie with FedDyn
 }
+PAPER = {"study": PAPER_STUDY}  # the paper study's settings, as its presets name them
 SPREAD = (-0.01, 0.0, 0.01)  # std 0.01: every gap above is 5+ std, the tie is exact
 
 
@@ -42,8 +44,8 @@ def protocol_sweep(root: Path, rows: tuple[str, ...] = ("hafedho", "feddyn", "fe
                 point = {"dataset": ds, "protocol": proto, "algorithm.name": alg}
                 runs.append(IndexEntry(name, label, seed, point))
     axes = ["dataset", "protocol", "algorithm.name"]
-    twins = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
-    SweepIndex("table1", "cpu", "hand-made", axes, ["algorithm.name"], {}, runs, derived=twins).write(root)
+    twins = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho_paper.twin:momentum_twin"}}
+    SweepIndex("table1", "cpu", "hand-made", axes, ["algorithm.name"], PAPER, runs, derived=twins).write(root)
 
 
 def test_robust_rule() -> None:
@@ -102,7 +104,7 @@ def test_a_baseline_that_diverged_in_most_seeds_is_not_the_best(tmp_path: Path, 
             status = "diverged" if label == "fedavgm" and seed else "done"
             make_run(tmp_path, name, label, seed, [acc + d], status=status)
             runs.append(IndexEntry(name, label, seed, {"algorithm.name": label}))
-    SweepIndex("table1", "cpu", "hand-made", ["algorithm.name"], ["algorithm.name"], {}, runs).write(tmp_path)
+    SweepIndex("table1", "cpu", "hand-made", ["algorithm.name"], ["algorithm.name"], PAPER, runs).write(tmp_path)
     (section,) = load_sections(tmp_path, last=1)
     (j,) = [judge(Layout.of(section), col) for col in Layout.of(section).columns]
     if others == "diverged":
@@ -137,15 +139,15 @@ def test_a_rounds_verdict_judges_fewer_rounds_and_skips_rows_some_seed_never_bro
                 model = {"options": {"projection": 256 if protocol == "head" else 0}}
                 make_run(tmp_path, name, alg, seed, [0.1] * 4 if bad else accs, model=model)
                 runs.append(IndexEntry(name, name_label, seed, {"protocol": protocol, "algorithm.name": alg}))
-    twins = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
+    twins = {"hafedho-twin": {"of": "hafedho", "derive": "hafedho_paper.twin:momentum_twin"}}
     axes = ["protocol", "algorithm.name"]
-    SweepIndex("table2", "cpu", "", axes, ["algorithm.name"], {"verdict": "rounds"}, runs, derived=twins).write(
-        tmp_path
-    )
+    SweepIndex(
+        "table2", "cpu", "", axes, ["algorithm.name"], {**PAPER, "verdict": "rounds"}, runs, derived=twins
+    ).write(tmp_path)
     (section,) = load_sections(tmp_path, last=1)
     lay = Layout.of(section)
     main, head = (judge(lay, col) for col in lay.columns)
-    assert main.base_label == "feddyn" and (-main.own.mean, -main.base.mean, -main.twin.mean) == (2, 3, 3)
+    assert main.base_label == "feddyn" and (-main.own.mean, -main.base.mean, -main.derived.mean) == (2, 3, 3)
     assert main.text == HOLDS and head.text.startswith("holds, but the twin matches it")
     (table,) = robustness_table(lay)
     # the twin's share of the rounds HaFedHo saves over FedAvg: (4 - 3) / (4 - 2) = 50% under main, 100% under head
@@ -158,7 +160,7 @@ def test_a_rounds_verdict_judges_fewer_rounds_and_skips_rows_some_seed_never_bro
 def test_an_unknown_verdict_measure_is_one_config_error(tmp_path: Path) -> None:
     protocol_sweep(tmp_path)
     index = read_index(index_path(tmp_path, "table1"))
-    index.report = {"verdict": "speed"}
+    index.report = {**PAPER, "verdict": "speed"}
     index.write(tmp_path)
     (section,) = load_sections(tmp_path, last=1)
     with pytest.raises(ConfigError, match=r'report.verdict: .speed. is not a measure; use "final" or "rounds"'):

@@ -18,7 +18,7 @@ from helpers import BASE, no_wall, run_smoke
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, config_from_table, load_config
-from hafedho.runfiles import RunDirError, atomic_write_text, read_metrics
+from hafedho.runfiles import RunDirError, RunState, atomic_write_text, read_metrics, run_state
 
 
 def run_in(out: Path) -> Path:
@@ -178,6 +178,96 @@ def test_a_bad_middle_line_stops_resume_and_report(tmp_path: Path, capsys: pytes
     assert snapshot(run_in(out)) == before  # no row dropped, no done rewritten
     assert main(["report", str(out), "--out", str(tmp_path / "rep")]) == 2
     one_error_line(capsys.readouterr().err, "line 3 is not valid JSON")
+
+
+# ----------------------------------------------------------------------------- run_state: the one reader
+
+
+def hand_run(path: Path, rounds: int, marker: str = "", text: str = "", torn: bool = False) -> Path:
+    """A run directory as ``RunDir`` leaves it: config.toml, env.json, rows 1..rounds (a last line cut short when
+    ``torn``: the process was killed while writing it) and an end marker (``done``, or ``diverged`` with its text)."""
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text("rounds = 3\n")
+    (path / "env.json").write_text("{}\n")
+    if rounds or torn:
+        (path / "metrics.jsonl").write_text(rows_text(*range(1, rounds + 1)) + ('{"round": 9, "tra' if torn else ""))
+    if marker:
+        (path / marker).write_text(text)
+    return path
+
+
+def test_run_state_of_real_runs(tmp_path: Path) -> None:
+    """What `hafedho run` leaves: done at its rounds, short of a longer horizon, done at a shorter one; diverged
+    with its one-line message; interrupted once the done marker is gone."""
+    assert run_smoke(tmp_path / "ok", "rounds=3") == 0
+    run = run_in(tmp_path / "ok")
+    assert run_state(run) == run_state(run, 3) == run_state(run, 2) == RunState("done", 3)
+    assert run_state(run, 5) == RunState("short", 3)
+    assert run_smoke(tmp_path / "bad", "rounds=3", "algorithm.name=fedavg", "algorithm.lr=10.0") != 0
+    bad = run_in(tmp_path / "bad")
+    state = run_state(bad, 3)
+    assert state == RunState("diverged", 0, (bad / "diverged").read_text().strip())
+    assert state.message.startswith("run diverged at round 1: ")
+    (run / "done").unlink()
+    assert run_state(run) == run_state(run, 5) == RunState("interrupted", 3)
+
+
+def test_run_state_of_each_state(tmp_path: Path) -> None:
+    """Every state from hand-made directories, with and without a horizon; a torn last line is no row."""
+    msg = "run diverged at round 3: train/loss is nan"
+    assert run_state(tmp_path / "absent") == run_state(tmp_path / "absent", 3) == RunState("new")
+    (tmp_path / "empty").mkdir()
+    assert run_state(tmp_path / "empty", 3) == RunState("new")
+    # started (config.toml, env.json) but no row yet: interrupted, as `hafedho run` (needs --resume) reads it
+    assert run_state(hand_run(tmp_path / "config-only", 0), 3) == RunState("interrupted", 0)
+    assert run_state(hand_run(tmp_path / "cut", 2), 3) == RunState("interrupted", 2)
+    assert run_state(hand_run(tmp_path / "torn", 2, torn=True), 3) == RunState("interrupted", 2)
+    assert run_state(hand_run(tmp_path / "done", 3, "done")) == RunState("done", 3)
+    assert run_state(tmp_path / "done", 3) == run_state(tmp_path / "done", 2) == RunState("done", 3)
+    assert run_state(tmp_path / "done", 4) == RunState("short", 3)
+    assert run_state(hand_run(tmp_path / "div", 2, "diverged", msg + "\n"), 3) == RunState("diverged", 2, msg)
+    assert run_state(tmp_path / "div") == RunState("diverged", 2, msg)
+    # a torn last line in a done run lost a row (read_metrics refuses it): never done at a horizon
+    hand_run(tmp_path / "done-torn", 3, "done", torn=True)
+    with pytest.raises(RunDirError, match="cut short, yet the run is done"):
+        read_metrics(tmp_path / "done-torn")
+    assert run_state(tmp_path / "done-torn", 3) == RunState("short", 0)
+    # a run that went on past the horizon (extended, then stopped or diverged) is done at it; one that stopped
+    # at exactly the horizon without a marker is not (its writer may still be finishing that round)
+    assert run_state(tmp_path / "cut", 1) == run_state(tmp_path / "div", 1) == RunState("done", 2)
+    assert run_state(tmp_path / "div", 2) == RunState("done", 2)  # diverged in round 3: a diverged round logs no row
+    assert run_state(tmp_path / "cut", 2) == RunState("interrupted", 2)
+
+
+def test_run_state_is_every_callers_reader(tmp_path: Path) -> None:
+    """The sweep's results index, the report and the trackers read a run through run_state (their words mapped),
+    and no module but runfiles names the end markers."""
+    from hafedho.report.runs import read_run
+    from hafedho.sweep.browse import WORDS
+
+    msg = "run diverged at round 3: train/loss is nan"
+    runs = {
+        "cut": hand_run(tmp_path / "cut", 2),
+        "done": hand_run(tmp_path / "done", 3, "done"),
+        "short": hand_run(tmp_path / "short", 2, "done"),
+        "div": hand_run(tmp_path / "div", 2, "diverged", msg),
+    }
+    report = {k: (read_run(d, 3).status, read_run(d, 3).message) for k, d in runs.items()}
+    assert report == {
+        "cut": ("incomplete", ""),
+        "done": ("done", ""),
+        "short": ("incomplete", "done at round 2, short of the sweep's 3"),
+        "div": ("diverged", msg),
+    }
+    assert {k: WORDS[run_state(d, 3).status] for k, d in runs.items()} == {k: v[0] for k, v in report.items()}
+    assert read_run(tmp_path / "absent", 3).status == "missing" and WORDS["new"] == "not started"
+    src = Path(__file__).resolve().parents[1] / "src" / "hafedho"
+    by_hand = [
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if p.name != "runfiles.py" and any(f'/ "{m}"' in p.read_text() for m in ("done", "diverged"))
+    ]
+    assert by_hand == []
 
 
 # ----------------------------------------------------------------------------- resume of a finished run

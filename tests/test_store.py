@@ -21,12 +21,12 @@ from torch import nn
 from hafedho.config import ConfigError, load_config
 from hafedho.core import WeightedMean
 from hafedho.core.device import precision, resolve_device, tensor_precision
-from hafedho.engine_registry import engine_for
 from hafedho.experiment import build
 from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.runtime import checkpoint
 from hafedho.runtime.store import DEVICE_SHARE, DISK_STORE_ABOVE, ClientStore, placement
 from hafedho.runtime.work import CohortStream
+from hafedho.sim.engines.make import engine_for
 from hafedho.sim.runner import run
 
 leaves_of = torch.utils._pytree.tree_leaves

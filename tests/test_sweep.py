@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hafedho_paper import PRESETS as PRESET_DIR  # the paper study's presets, a plugin (study/)
 from helpers import SMOKE, SMOKE_PRESET_TABLES
 
 from hafedho.algorithms import resolve_algorithm
@@ -19,11 +20,11 @@ from hafedho.cli import main
 from hafedho.config import ConfigError, load_config
 from hafedho.flower.deploy import descendants, is_running
 from hafedho.report.build import write_report
-from hafedho.runfiles import RunLock, read_metrics
-from hafedho.sweep.execute import run_spec, run_status, run_sweep
+from hafedho.runfiles import RunLock, read_metrics, run_state
+from hafedho.sweep.execute import run_spec, run_sweep
 from hafedho.sweep.expand import expand
 from hafedho.sweep.index import IndexEntry, changing_overrides, read_index, write_index
-from hafedho.sweep.presets import PRESET_DIR, SCALES, Preset, list_presets, load_preset
+from hafedho.sweep.presets import SCALES, Preset, list_presets, load_preset, preset_path
 from hafedho.toml_io import dump_toml, read_toml
 
 # Every paper preset, read off the presets folder (a new preset is one file there: no list to extend here).
@@ -60,6 +61,7 @@ def test_packaged_presets() -> None:
     """`hafedho sweep list` finds every preset file and none of the shared parts (``_common``, ``_tuned``)."""
     assert list_presets() == PAPER and {"table1", "tune"} <= set(PAPER)
     assert (PRESET_DIR / "_common.toml").exists() and "_common" not in list_presets()
+    assert preset_path("table1") == PRESET_DIR / "table1.toml"  # found through the installed plugin
 
 
 @pytest.mark.parametrize("scale", SCALES)
@@ -141,8 +143,7 @@ def test_overrides_replace_axes_or_apply_to_all() -> None:
     assert all(s.name.endswith("-s0") for s in specs)
 
 
-TWIN = '\n[[variants]]\nlabel = "hafedho-twin"\nof = "hafedho"\nderive = "hafedho.paper.twin:momentum_twin"\n'
-TWIN_OF = '\n[[variants]]\nlabel = "hafedho-twin"\ntwin_of = "hafedho"\n'  # the sugar for TWIN
+TWIN = '\n[[variants]]\nlabel = "hafedho-twin"\nof = "hafedho"\nderive = "hafedho_paper.twin:momentum_twin"\n'
 
 
 def twin_preset(tmp: Path) -> Preset:
@@ -187,7 +188,7 @@ def test_momentum_twin_rows(tmp_path: Path) -> None:
     assert sum('mu_schedule = "inverse_round"' in n for n in notes) == 3  # phi only: "f" is named first
     assert "no hafedho-twin for hafedho [mu=0.4, accumulate=phi, mu_schedule=constant]" in "\n".join(notes)
     index = read_index(write_index(preset, specs, tmp_path / "runs"))
-    assert index.derived == {"hafedho-twin": {"of": "hafedho", "derive": "hafedho.paper.twin:momentum_twin"}}
+    assert index.derived == {"hafedho-twin": {"of": "hafedho", "derive": "hafedho_paper.twin:momentum_twin"}}
     assert index.notes == notes
     assert [e.label for e in index.runs if e.dir == shared.name] == ["hafedho-twin", "fedavgm"]
 
@@ -209,7 +210,7 @@ def test_a_twin_takes_hafedhos_weighting_and_server_step(tmp_path: Path) -> None
         ],
     )
     assert other[1].cfg.algorithm["fedavgm"] == {"beta": 0.3, "server_lr": 2.0, "weighting": "data_size"}
-    for bad in ('\n[[variants]]\nlabel = "t"\ntwin_of = "hafedho"\ncross = []\n', TWIN + TWIN):
+    for bad in (TWIN.replace("derive", "cross = []\nderive"), TWIN + TWIN):
         with pytest.raises(
             ConfigError, match=r"variants\[[01]\]: (a derived variant takes only|of = 'hafedho' is given twice)"
         ):
@@ -264,7 +265,7 @@ def test_sweep_skips_done_resumes_interrupted_keeps_diverged(tmp_path: Path) -> 
     (h1.run_dir / "done").unlink()
     before = read_metrics(h1.run_dir)
     _hand_diverged(f0)
-    assert [run_status(s.run_dir) for s in specs] == ["new", "interrupted", "diverged", "new"]
+    assert [run_state(s.run_dir).status for s in specs] == ["new", "interrupted", "diverged", "new"]
     result = run_sweep(specs, jobs=1, progress=False)
     status = {o.name: o.status for o in result.outcomes}
     assert status == {h0.name: "done", h1.name: "done", f0.name: "diverged", f1.name: "done"}
@@ -385,7 +386,7 @@ def test_cpu_preset_runs_two_rounds(name: str, shared_data: Path, tmp_path_facto
     assert not result.failed, result.failed
     for s in specs:
         rows = read_metrics(s.run_dir)
-        assert [r["round"] for r in rows] == [1, 2] and "test/acc" in rows[-1] and run_status(s.run_dir) == "done"
+        assert [r["round"] for r in rows] == [1, 2] and "test/acc" in rows[-1] and run_state(s.run_dir).status == "done"
         assert ("diag/h_cos" in rows[-1]) == (name == "estimation")
     assert name not in ("converge", "ideal") or {"hafedho-twin", "hafedho-exact"} <= {s.label for s in specs}
 

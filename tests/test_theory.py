@@ -26,6 +26,7 @@ from hafedho.runfiles import read_metrics
 from hafedho.runtime.store import ClientStore
 from hafedho.sim import fullgrad
 from hafedho.sim.runner import run
+from hafedho.sweep.index import IndexEntry, SweepIndex
 
 F64 = torch.float64
 
@@ -180,12 +181,7 @@ def test_diagnostic_values_by_hand(plan: tuple[str, ...], aggregation: str, accu
 def test_measure_is_finite_for_zero_vectors() -> None:
     """Round 1's h is 0 (g^0 = 0): the row must stay finite (a NaN would stop the run as diverged)."""
     zero, v = {"w": torch.zeros(2)}, {"w": torch.tensor([3.0, 4.0])}
-    assert fullgrad.measure(zero, v, 2.0) == {
-        "diag/h_cos": 0.0,
-        "diag/h_rel_err": 1.0,
-        "diag/h_norm": 0.0,
-        "diag/target_norm": 5.0,
-    }
+    assert fullgrad.measure(zero, v, 2.0) == {"cos": 0.0, "rel_err": 1.0, "norm": 0.0, "target_norm": 5.0}
 
 
 # ----------------------------------------------------------------------------- diagnostics never move a run
@@ -352,6 +348,9 @@ def test_report_plots_and_tables_the_diagnostics(tmp_path) -> None:
                 rows.append(json.dumps(row))
             (d / "metrics.jsonl").write_text("\n".join(rows) + "\n")
             (d / "done").write_text("")
+    assert "diagnostics.png" not in [f.name for f in write_report(tmp_path, tmp_path / "plain").figures]  # no study
+    runs = [IndexEntry(d.name, seed=int(d.name[-1])) for d in sorted(tmp_path.glob("h-*"))]
+    SweepIndex("est", report={"study": "hafedho_paper.study:REPORT"}, runs=runs).write(tmp_path)  # the paper's
     files = write_report(tmp_path, tmp_path / "rep")
     assert "diagnostics.png" in [f.name for f in files.figures]
     assert (tmp_path / "rep" / "diagnostics.png").stat().st_size > 5000

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hafedho_paper.twin import momentum_twin
 from quadratic import QuadraticModel
 from torch import Tensor
 
@@ -25,7 +26,6 @@ from hafedho.algorithms.hafedho import HaFedHo
 from hafedho.config import config_from_table
 from hafedho.core import ClientData, ClientInfo, FedAlgorithm, Params, RoundInfo, WeightedMean, tree
 from hafedho.data.federated import BatchPlan, plan_indices
-from hafedho.paper.twin import momentum_twin
 
 U = 2.0**-53
 F64 = torch.float64
@@ -117,7 +117,7 @@ def _scale(*trees: Params) -> float:
 
 
 def _twin_of(alg: HaFedHo) -> FedAlgorithm:
-    """The twin exactly as the sweep derives it (hafedho.paper.twin.momentum_twin) for a run with lambda = LAM."""
+    """The twin exactly as the sweep derives it (hafedho_paper.twin.momentum_twin) for a run with lambda = LAM."""
     cfg = config_from_table(
         {
             "clients": {"local_steps": LAM},

@@ -6,6 +6,10 @@ arXiv:2003.00295, Algorithm 2 (FedAdam). Round t, cohort S of the clients' delta
     v_t = beta2 v_{t-1} + (1 - beta2) Delta_t^2        v_{-1} = tau^2 (the paper asks v_{-1} >= tau^2)
     x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau)
 
+That is the library's ``adam(eta, beta1, beta2, eps=tau, v0=tau^2)`` transform (Kingma & Ba's Adam without bias
+correction) run by ``server_step`` on the pseudo-gradient -Delta_t, as the clients run transforms on gradients:
+its moments are (-m_t, v_t), kept in ``ServerState.opt``.
+
 beta1 = 0.9 and beta2 = 0.99 as the paper fixes them in its experiments (Section 5); it tunes tau and eta per
 task: tau = 1e-3 and eta = 0.1 here are the defaults of Flower's FedAdam (flwr 1.42, serverapp.strategy).
 """
@@ -13,16 +17,13 @@ task: tau = 1e-3 and eta = 0.1 here are the defaults of Flower's FedAdam (flwr 1
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
-
 from hafedho.algorithms import FedAvg
-from hafedho.core import Params, hp
+from hafedho.core import AdamState, Params, Transform, adam, hp, server_step
 
 
 class ServerState(NamedTuple):
     params: Params  # x_t
-    m: Params  # first moment m_t
-    v: Params  # second moment v_t
+    opt: AdamState  # Adam's moments of the pseudo-gradient -Delta_t: (-m_t, v_t)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,13 +37,13 @@ class FedAdam(FedAvg):
     beta2: float = hp(0.99, "second-moment decay beta2", ge=0, lt=1)
     tau: float = hp(1e-3, "adaptivity tau", gt=0)
 
+    def server_transform(self) -> Transform:
+        return adam(self.server_lr, self.beta1, self.beta2, eps=self.tau, v0=self.tau**2)
+
     def init_server(self, params: Params) -> ServerState:
-        zeros = {k: torch.zeros_like(p) for k, p in params.items()}
-        return ServerState(params, zeros, {k: torch.full_like(p, self.tau**2) for k, p in params.items()})
+        return ServerState(params, self.server_transform().init(params))
 
     def server_update(self, server: ServerState, agg, rnd) -> tuple[ServerState, dict[str, float]]:
-        d, b1, b2 = agg.delta, self.beta1, self.beta2  # agg.delta = Delta_t, FedAvg's aggregate
-        m = {k: b1 * server.m[k] + (1 - b1) * d[k] for k in d}
-        v = {k: b2 * server.v[k] + (1 - b2) * d[k] ** 2 for k in d}
-        x = {k: server.params[k] + self.server_lr * m[k] / (v[k].sqrt() + self.tau) for k in d}
-        return ServerState(x, m, v), {}
+        # agg.delta = Delta_t, FedAvg's aggregate; server_step feeds the transform -Delta_t
+        params, opt = server_step(self.server_transform(), server.params, agg.delta, server.opt)
+        return ServerState(params, opt), {}

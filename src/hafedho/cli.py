@@ -37,6 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from hafedho.api import run
     from hafedho.report.build import write_report
+    from hafedho.runfiles import run_state
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds {args.seeds}: need at least 1")
@@ -46,7 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             overrides = [f"algorithm.name={alg}", f"seed={seed}", *args.overrides]
             cfg = load_config(CONFIG_DIR / "demo.toml", overrides)
             cfg.out = str(out)
-            if (cfg.run_dir / "done").exists():
+            if run_state(cfg.run_dir, cfg.rounds).status == "done":
                 continue
             run(cfg, resume=cfg.run_dir.exists(), progress=True)
     title = "digits, Dirichlet q=0.3, 50 clients, 10% participation"
@@ -79,8 +80,9 @@ def _skip_rows(text: str | None, specs: list[RunSpec]) -> set[str]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from hafedho.runfiles import run_state
     from hafedho.sweep.browse import refresh_results_index, write_results_index
-    from hafedho.sweep.execute import Outcome, run_status, run_sweep
+    from hafedho.sweep.execute import Outcome, run_sweep
     from hafedho.sweep.expand import expand
     from hafedho.sweep.index import changing_overrides, write_index
     from hafedho.sweep.presets import list_presets, load_preset
@@ -103,7 +105,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.dry_run:
         for s in specs:
             point = ", ".join(f"{k}={v}" for k, v in s.point.items())
-            print(f"{run_status(s.run_dir, s.cfg.rounds):11s} {s.name}  [{point}]")
+            print(f"{run_state(s.run_dir, s.cfg.rounds).status:11s} {s.name}  [{point}]")
         for note in dict.fromkeys(s.note for s in specs if s.note):  # e.g. a HaFedHo cell without a twin, and why
             print(f"note: {note}")
         print(f"{len(specs)} runs of {preset.name} ({preset.scale}) in {out}")

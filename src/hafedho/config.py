@@ -19,7 +19,7 @@ from hafedho.core.device import PRECISIONS, device_problem
 from hafedho.core.diagnostics import Diagnostics
 from hafedho.core.refs import file_name
 from hafedho.data.partition import check_partition
-from hafedho.engine_registry import ENGINES, engine_help, option_field
+from hafedho.engine_registry import check_engine, engine_help, option_field
 from hafedho.toml_io import deep_merge, parse_override, read_toml
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -108,9 +108,7 @@ class Config:
     rounds: int = runtime_hp(100, "T: communication rounds", ge=1)
     eval_every: int = runtime_hp(1, "evaluate the global model every k rounds (and at the last)", ge=1)
     checkpoint_every: int = runtime_hp(10, "checkpoint every k rounds (and at the last)", ge=1)
-    engine: str | None = runtime_hp(
-        None, engine_help(), choices=tuple(ENGINES)
-    )  # choices, help, options: the registry's
+    engine: str | None = runtime_hp(None, engine_help())  # help, options, names: the registry's (check_engine)
     device: str = runtime_hp(
         "auto",
         "where the run's tensors live: auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N",
@@ -333,6 +331,8 @@ def validate(cfg: Config) -> Config:
         check_run_name(cfg.name)
     if problem := device_problem(cfg.device):
         raise ConfigError(problem)
+    if cfg.engine is not None:
+        check_engine(cfg.engine)  # a name or the form of a reference; a reference is imported by the run
     check_log(cfg.log)
     s = cfg.sampling
     check_partition(cfg.data.partition, cfg.data.partition_options)

@@ -8,7 +8,8 @@
     RUN/checkpoint.pt    everything needed to continue bit-identically
     RUN/done             written last; RUN/diverged holds the message of a run stopped by NaN
 
-These are the files' formats and primitives; ``hafedho.runtime.rundir.RunDir`` is what runtimes write them through.
+These are the files' formats and primitives; ``hafedho.runtime.rundir.RunDir`` is what runtimes write them through,
+and ``run_state`` the one reader of a run's state (new, interrupted, done, short, diverged) that every caller uses.
 Every file is written atomically (a temporary file unique to the writer, then a rename), so a killed process
 never leaves half a file. One process at a time writes a run: ``RunLock`` (``.locks/NAME.lock`` beside the run
 directory's real path, so two paths to one directory, e.g. through a symbolic link, take one lock).
@@ -24,11 +25,16 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+
+# The end markers: RunDir writes them (mark_done, mark_diverged), run_state reads them; no other module names them.
+DONE = "done"
+DIVERGED = "diverged"
 
 
 class RunDirError(ValueError):
@@ -97,7 +103,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         try:
             json.loads(tail)
         except ValueError:
-            if (Path(run_dir) / "done").exists():
+            if (Path(run_dir) / DONE).exists():
                 after = f"round {rows[-1]['round']}" if rows else "none"
                 raise RunDirError(
                     f"{path}: line {len(lines) + 1} is cut short, yet the run is done, so the row after {after} is "
@@ -237,10 +243,59 @@ def environment() -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class RunState:
+    """What a run directory holds (``run_state``)."""
+
+    status: str  # new | interrupted | done | short | diverged
+    rounds_done: int = 0  # the last round metrics.jsonl holds (0: no row, or an unreadable file)
+    message: str = ""  # a diverged run's marker text
+
+
+def run_state(run_dir: Path, rounds: int | None = None, rows: list[dict[str, Any]] | None = None) -> RunState:
+    """The state of the run in ``run_dir``, the one reader of what ``RunDir`` writes (its markers, its rows):
+
+        new          nothing of a run: no folder, or one with no config.toml, marker or row
+        interrupted  started, no marker: stopped, killed or still running (a caller that tells "busy" apart takes
+                     the ``RunLock``). A folder holding only config.toml/env.json is interrupted, not new: its run
+                     started (``hafedho run`` refuses it without --resume, a sweep resumes it, the report counts
+                     it incomplete)
+        done         the done marker, with rows that reach the horizon ``rounds`` when one is given
+        short        the done marker, short of ``rounds`` (or with metrics.jsonl unreadable): to be extended
+        diverged     the diverged marker; ``message`` holds its text
+
+    Given a horizon ``rounds``, a run that went on past it is done at it, whatever happened after: another preset
+    extended it, then it stopped or diverged (its rows up to the horizon are final). A diverged run got past it
+    with a row at the horizon (the diverging round logs none); an unmarked one needs a row after it, since at
+    exactly the horizon its writer may still be finishing (checkpoint, marker) or was killed doing so.
+    ``rows``: the metrics already read; else they are read here, and an unreadable file counts as no row (the
+    run's writer names the problem when it resumes it).
+    """
+    run_dir = Path(run_dir)
+    unreadable = False
+    if rows is None:
+        try:
+            rows = read_metrics(run_dir)
+        except RunDirError:
+            rows, unreadable = [], True
+    last = int(rows[-1]["round"]) if rows else 0
+    if (run_dir / DONE).exists():
+        return RunState("short" if rounds and last < rounds else "done", last)
+    diverged = (run_dir / DIVERGED).exists()
+    if rounds and (last > rounds or (diverged and last == rounds)):
+        return RunState("done", last)
+    if diverged:
+        return RunState("diverged", last, (run_dir / DIVERGED).read_text().strip())
+    if rows or unreadable or (run_dir / "config.toml").exists():
+        return RunState("interrupted", last)
+    return RunState("new")
+
+
 def why_no_rows(run_dir: Path) -> str:
     """Why a run directory with no metrics row is left out of the tables (the status table says it)."""
-    if (run_dir / "done").exists():
+    state = run_state(run_dir, rows=[])
+    if state.status == "done":
         return "done, yet metrics.jsonl holds no row (its rows are lost): recompute it with --force"
-    if (run_dir / "diverged").exists():
-        return (run_dir / "diverged").read_text().strip()
+    if state.status == "diverged":
+        return state.message
     return "no round logged: stopped (or still running) before its first round; continue it with --resume"

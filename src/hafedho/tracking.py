@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hafedho.config import Config, ConfigError, experiment_hash, flatten
-from hafedho.runfiles import RunDirError, make_folder, read_metrics, write_json
+from hafedho.runfiles import RunDirError, make_folder, read_metrics, run_state, write_json
 
 STATE_FILE = "tracking.json"
 EXTRA = "pip install 'hafedho[track]'"
@@ -111,9 +111,9 @@ class Tracking:
 
     def close(self) -> None:
         """End the trackers; MLflow's run status follows the run directory's marker (done, diverged, else killed)."""
-        status = "FINISHED" if (self.path / "done").exists() else "FAILED" if (self.path / "diverged").exists() else ""
+        status = {"done": "FINISHED", "diverged": "FAILED"}.get(run_state(self.path).status, "KILLED")
         for sink in self._sinks or []:
-            sink.close(status or "KILLED")
+            sink.close(status)
         self._sinks = None
 
     # ------------------------------------------------------------------ state

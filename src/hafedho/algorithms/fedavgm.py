@@ -29,7 +29,8 @@ as on a quadratic), x_{t+1} - x_t = beta (I - eta_g J)(x_t - x_{t-1}) - eta_g De
 beta (I - eta_g J) rather than beta, damped along curved directions, which is what HaFedHo's look-ahead does to
 its own server momentum (docs/algorithms.md, "What is left: the look-ahead"); the `momentum` preset compares them.
 
-Diff from FedAvg: the server (``init_server``, ``server_update``, the buffer v in ``ServerState``).
+Diff from FedAvg: the server, which runs the clients' own transform ``core.local.sgd(eta_g, momentum=beta,
+nesterov)`` on Delta_w (``server_transform``; ``core.local.server_step``), its buffer v kept in ``ServerState``.
 Reduces to FedAvg exactly when beta = 0 (same ``weighting`` and ``server_lr``; eta_g = 1: plain FedAvg).
 An empty round changes nothing (v is not decayed).
 """
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hafedho.algorithms.fedavg import Broadcast, FedAvg, Upload
-from hafedho.core import Params, RoundInfo, hp, tree
+from hafedho.core import Params, RoundInfo, Transform, hp, server_step, sgd, tree
 
 __all__ = ["Broadcast", "FedAvgM", "ServerState", "Upload"]
 
@@ -62,12 +63,13 @@ class FedAvgM(FedAvg):
     server_lr: float = hp(1.0, "server learning rate eta_g in x <- x - eta_g v (the paper: 1)", gt=0)
     nesterov: bool = hp(False, "Nesterov's look-ahead step x <- x - eta_g (beta v + Delta_w) (false: the paper)")
 
+    def server_transform(self) -> Transform:
+        """Heavy ball on Delta_w: ``v <- beta v + Delta_w``, update ``-eta_g v`` (or ``-eta_g (beta v + Delta_w)``)."""
+        return sgd(self.server_lr, momentum=self.beta, nesterov=self.nesterov)
+
     def init_server(self, params: Params) -> ServerState:
-        return ServerState(params, tree.zeros_like(params))
+        return ServerState(params, self.server_transform().init(params))  # v = 0
 
     def server_update(self, server: ServerState, agg: Upload, rnd: RoundInfo) -> tuple[ServerState, dict[str, float]]:
-        delta_w = tree.scale(agg.delta, -1.0)  # Delta_w = -mean Delta_i
-        v = tree.axpy(self.beta, server.v, delta_w)  # beta v + Delta_w
-        step = tree.axpy(self.beta, v, delta_w) if self.nesterov else v
-        params = tree.axpy(-self.server_lr, step, server.params)
+        params, v = server_step(self.server_transform(), server.params, agg.delta, server.v)  # fed -mean Delta_i
         return ServerState(params, v), {"server/v_norm": float(tree.sq_norm(v).sqrt())}

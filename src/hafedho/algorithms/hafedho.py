@@ -42,8 +42,8 @@ Facts (each is a test):
 Momentum twin: with accumulate="phi" this is FedAvgM's server recursion (``fedavgm``, beta = lambda*mu, uniform
 weights, server_lr = eta / eta_l, the same lr), except that the local steps also move along -eta_l mu h (a
 look-ahead, which on a quadratic turns the momentum into mu sum_{k<lambda} (I - eta_l H)^k) and the
-self-correction term. Sweeps put that twin beside every HaFedHo run (``twin_of`` in a preset); the derivation and
-measured gap are in docs/algorithms.md, "HaFedHo's momentum twin" (tests/test_twin.py).
+self-correction term. The paper study puts that twin beside every HaFedHo run (``hafedho_paper.twin``, study/); the
+derivation and measured gap are in docs/algorithms.md, "HaFedHo's momentum twin" (tests/test_twin.py).
 
 Switches for the paper's inconsistencies and ablations (defaults follow Algorithm 1):
     accumulate       "phi": g_i sums grad phi_i (objective rectification, Algorithm 1);
@@ -177,7 +177,7 @@ class HaFedHo(FedAlgorithm):
         """Theorem 1 measured (``estimate``, ``diagnostic_weightings``) and, for the exact sources, the simulator's
         full-data gradient in the broadcast (``attach_full_gradient``)."""
         exact = self.attach_full_gradient if self.h_source != "aggregate" else None
-        return Diagnostics(self.estimate, self.diagnostic_weightings, exact)
+        return Diagnostics(self.estimate, self.diagnostic_weightings, exact, name="h")  # diag/h_cos, ...
 
     def attach_full_gradient(self, msg: Broadcast, full: dict[str, tuple[Params, Tensor]]) -> ExactBroadcast:
         grad, f = full[self.aggregation]

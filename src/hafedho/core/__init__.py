@@ -5,14 +5,17 @@ from hafedho.core.aggregate import WeightedMean
 from hafedho.core.algorithm import ConfigError, FedAlgorithm, hp
 from hafedho.core.diagnostics import Diagnostics, Estimate
 from hafedho.core.local import (
+    AdamState,
     LocalResult,
     Transform,
+    adam,
     aggregation_weight,
     chain,
     full_gradient,
     local_train,
     mix,
     plain_objective,
+    server_step,
     sgd,
     shift,
     value_grad,
@@ -22,6 +25,7 @@ from hafedho.core.tree import Params
 from hafedho.core.types import Aggregator, ClientData, ClientInfo, ClientResult, Model, RoundInfo
 
 __all__ = [
+    "AdamState",
     "Aggregator",
     "ClientData",
     "ClientInfo",
@@ -37,6 +41,7 @@ __all__ = [
     "RoundInfo",
     "Transform",
     "WeightedMean",
+    "adam",
     "aggregation_weight",
     "chain",
     "full_gradient",
@@ -44,6 +49,7 @@ __all__ = [
     "local_train",
     "mix",
     "plain_objective",
+    "server_step",
     "sgd",
     "shift",
     "tree",

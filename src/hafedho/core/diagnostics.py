@@ -40,9 +40,9 @@ class Estimate(NamedTuple):
 
     e: Params  # the estimate the client uses (HaFedHo: h)
     target: Params  # the exact quantity it stands for at w_t (HaFedHo: the other clients' share T_i)
-    scale: float  # s with e ~ s * target (one scalar; the legacy diag/h_rel_err divides by it)
-    reference: Params  # what e would be at w_t in the noise-free, full-participation steady state
-    coef: float  # the factor e enters the objective with (HaFedHo: mu_t), for Definition 1's ||coef e - target||
+    scale: float  # s with e ~ s * target (one scalar; diag/{name}_rel_err divides by it)
+    reference: Params  # what e would be at w_t in a steady state of the method (e.g. noise-free, full participation)
+    coef: float  # the factor e enters the objective with (HaFedHo: mu_t), for the error ||coef e - target||
 
 
 # estimate(msg, state, info, rnd, full, own, steps): a client about to train in round rnd from its state; own =
@@ -61,12 +61,15 @@ class Diagnostics:
     ``own``), its scale and steady-state reference. ``weightings``: extra per-client weights ``w_j`` whose sums
     ``(sum_j w_j grad f_j(w_t), sum_j w_j)`` the pass hands ``estimate`` in ``full`` under the same name (the second
     slot is the weights' total, not a loss). ``attach_full_gradient(msg, full)``: the broadcast with the full-data
-    gradient at w_t attached, every round (set only by algorithms that train on it).
+    gradient at w_t attached, every round (set only by algorithms that train on it). ``name``: the estimate's
+    symbol, which names its metrics (``hafedho.sim.fullgrad.diag_keys``), so a report of the method reads them by
+    its own names.
     """
 
     estimate: EstimateFn | None = None
     weightings: WeightingsFn | None = None
     attach_full_gradient: Callable[[Any, FullAggregates], Any] | None = None
+    name: str = "e"  # the estimate's symbol in the metric keys: diag/{name}_cos, ... (HaFedHo: "h")
 
     @property
     def needs_full_gradient(self) -> bool:

@@ -2,7 +2,8 @@
 
 Algorithms differ from FedAvg in one of two places: the *objective* (FedProx, FedDyn, MOON, HaFedHo) or the
 *transform* that turns a gradient into an update (SCAFFOLD's ``+ c - c_i``, MimeLite's frozen momentum). This
-module owns the loop so that no algorithm copies it.
+module owns the loop so that no algorithm copies it. The same transforms are server optimizers (``server_step``):
+FedAvgM is FedAvg with ``sgd`` (momentum) on the server, FedAdam (examples/server_adam) with ``adam``.
 
 ``local_train`` is pure and branch-free: it never writes into its inputs and never branches in Python on
 data values, so a vectorised engine can ``vmap`` it over a cohort. A step whose batch is all padding
@@ -30,16 +31,54 @@ class Transform(NamedTuple):
     update: Callable[[Params, Any, Params], tuple[Params, Any]]
 
 
-def sgd(lr: float, momentum: float = 0.0) -> Transform:
-    """``update = -lr * g`` (heavy-ball buffer ``v <- momentum v + g`` when momentum > 0)."""
-    if momentum == 0.0:
+def sgd(lr: float, momentum: float | None = None, nesterov: bool = False) -> Transform:
+    """SGD, ``update = -lr g``; with ``momentum`` beta, the heavy ball on a buffer v (the state)::
+
+        v <- beta v + g
+        update = -lr v                   (nesterov: -lr (beta v + g), Sutskever et al. 2013, PyTorch's form)
+
+    ``momentum=None`` keeps no state; a float, 0.0 included, keeps v (optax's convention), so a server that stores
+    v (FedAvgM's ``ServerState.v``) has one at beta = 0 too.
+    """
+    if momentum is None:
+        if nesterov:
+            raise ValueError("sgd: nesterov needs a momentum")
         return Transform(lambda p: (), lambda g, s, p: (tree.scale(g, -lr), s))
 
     def update(g: Params, v: Params, p: Params) -> tuple[Params, Params]:
-        v = tree.axpy(momentum, v, g)
-        return tree.scale(v, -lr), v
+        v = tree.axpy(momentum, v, g)  # beta v + g
+        step = tree.axpy(momentum, v, g) if nesterov else v
+        return tree.scale(step, -lr), v
 
     return Transform(tree.zeros_like, update)
+
+
+class AdamState(NamedTuple):
+    m: Params  # first moment of the gradient
+    v: Params  # second moment (elementwise square)
+
+
+def adam(lr: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, v0: float = 0.0) -> Transform:
+    """Adam (Kingma & Ba, arXiv:1412.6980, Algorithm 1) in the form Reddi et al.'s FedAdam (arXiv:2003.00295,
+    Algorithm 2) runs on the server; the state is ``AdamState(m, v)``::
+
+        m <- b1 m + (1 - b1) g           m_0 = 0
+        v <- b2 v + (1 - b2) g^2         v_0 = v0 (FedAdam: tau^2)
+        update = -lr m / (sqrt(v) + eps)  (FedAdam: eps = tau, outside the root as in Kingma & Ba)
+
+    Without Kingma & Ba's bias correction (their m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)): FedAdam has
+    none, and starts v at tau^2 (Kingma & Ba: 0).
+    """
+
+    def init(p: Params) -> AdamState:
+        return AdamState(tree.zeros_like(p), {k: torch.full_like(x, v0) for k, x in p.items()})
+
+    def update(g: Params, s: AdamState, p: Params) -> tuple[Params, AdamState]:
+        m = {k: b1 * s.m[k] + (1 - b1) * g[k] for k in g}
+        v = {k: b2 * s.v[k] + (1 - b2) * g[k] ** 2 for k in g}
+        return {k: -lr * m[k] / (v[k].sqrt() + eps) for k in g}, AdamState(m, v)
+
+    return Transform(init, update)
 
 
 def shift(delta: Params) -> Transform:
@@ -66,6 +105,14 @@ def chain(*transforms: Transform) -> Transform:
         return g, tuple(new)
 
     return Transform(init, update)
+
+
+def server_step(transform: Transform, params: Params, delta: Params, state: Any) -> tuple[Params, Any]:
+    """A server optimizer's step, ``(x_{t+1}, state)``: ``transform`` on the pseudo-gradient ``Delta_w = -delta``
+    (``delta`` = the clients' mean Delta_i = y_i - x_t, so plain FedAvg is the step ``-Delta_w``), its update added
+    to ``params`` = x_t. Reddi et al.'s FedOpt (arXiv:2003.00295, Algorithm 2) with the clients' own transforms."""
+    updates, state = transform.update(tree.scale(delta, -1.0), state, params)
+    return tree.add(params, updates), state
 
 
 def value_grad(fn: Callable[..., tuple[Tensor, Any]]) -> Callable[..., tuple[Params, Any]]:

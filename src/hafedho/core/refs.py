@@ -74,11 +74,22 @@ def _dotted(text: str) -> bool:
 
 
 def _import(module: str) -> object:
-    """``importlib.import_module``; a top-level package that is not found is looked for in the working directory
-    too (the ``hafedho`` command, unlike ``python -m hafedho``, does not put it on ``sys.path``)."""
+    """``importlib.import_module``; a module that is not found is looked for under the name an installed plugin
+    says it moved to (``hafedho.core.plugins``: a results folder's index keeps the references it was written
+    with), then, for a top-level package, in the working directory too (the ``hafedho`` command, unlike
+    ``python -m hafedho``, does not put it on ``sys.path``)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
+        from hafedho.core.plugins import renamed  # entry points are read only when a name is missing
+
+        if e.name and (module == e.name or module.startswith(f"{e.name}.")) and (moved := renamed(module)):
+            try:
+                return importlib.import_module(moved)
+            except ModuleNotFoundError as e2:
+                if not (e2.name and (moved == e2.name or moved.startswith(f"{e2.name}."))):
+                    raise
+                raise e from None  # missing under its new name too: say so under the name the user wrote
         cwd = os.getcwd()
         if e.name != module.split(".")[0] or cwd in sys.path:
             raise

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +86,6 @@ def write_report(
     for name, rows in (("summary.csv", summary), ("rounds_to_target.csv", rounds)):
         if rows:
             atomic_write_text(out / name, _csv(rows))
-    stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
-    html_path = out / "report.html"
-    atomic_write_text(html_path, page(title or "hafedho report", pages, out, f"{shown}, generated {stamp}"))
+    html_path = out / "report.html"  # no build time: the same runs give the same page, byte for byte
+    atomic_write_text(html_path, page(title or "hafedho report", pages, out, shown))
     return ReportFiles(out / "results.md", html_path, tables_written, figures, text, pages)

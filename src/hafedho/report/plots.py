@@ -1,8 +1,12 @@
-"""A section's figures: metric per round with a band over seeds; final metric vs settings and hyperparameters; the
-``[diagnostics]`` curves where runs logged them."""
+"""A section's figures: metric per round with a band over seeds; final metric vs settings and hyperparameters; and
+the kinds a section's study adds (``FIGURES``, ``hafedho.report.study``).
+
+A figure builder is ``(Layout, out_dir, prefix) -> list[Path]`` (the files it wrote, none where it has nothing to
+draw); one of one's own uses ``band``, ``row_colors`` and ``finish`` below as the library's do."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from hafedho.config import Config, flatten
+from hafedho.config import Config, ConfigError, flatten
+from hafedho.core.refs import import_reference
 from hafedho.report.layout import Layout, display
 from hafedho.report.runs import Run
 from hafedho.report.stats import accuracy_stat
@@ -30,12 +35,12 @@ def _panels(n: int, width: float = 4.2, height: float = 3.2) -> tuple[Any, list[
     return fig, flat[:n]
 
 
-def _colors(rows: list[Any]) -> dict[Any, Any]:
+def row_colors(rows: list[Any]) -> dict[Any, Any]:
     cmap = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
     return {r: cmap(i % cmap.N) for i, r in enumerate(rows)}
 
 
-def _finish(fig: Any, axes: list[Any], out: Path, ylabel: str) -> Path | None:
+def finish(fig: Any, axes: list[Any], out: Path, ylabel: str) -> Path | None:
     """Grid, shared legend and file; a figure with nothing drawn is not written (None), a panel with nothing
     drawn says so and adds nothing to the legend."""
     handles, labels = [], []
@@ -71,7 +76,7 @@ def _curve(runs: list[Run], metric: str) -> tuple[list[int], np.ndarray] | None:
     return rounds, np.array([[s[t] for t in rounds] for s in series]) * 100
 
 
-def _band(ax: Any, lay: Layout, r: tuple, g: Any, metric: str, color: Any, scale: float = 1.0, **kw: Any) -> None:
+def band(ax: Any, lay: Layout, r: tuple, g: Any, metric: str, color: Any, scale: float = 1.0, **kw: Any) -> None:
     """One row's ``metric`` per round in one panel: the mean over its finished seeds with a ±1 std band (``scale``
     times ``_curve``'s percent); a row whose every seed diverged is drawn dashed up to the divergence, a
     reference dotted."""
@@ -96,17 +101,17 @@ def section_curves(lay: Layout, out: str | Path) -> Path | None:
     if not lay.rows:
         return None
     fig, axes = _panels(len(lay.columns))
-    colors = _colors(lay.rows)
+    colors = row_colors(lay.rows)
     for ax, col in zip(axes, lay.columns, strict=True):
         for r in lay.rows:
             g = lay.group_at(r, col)
             if g is None:
                 continue
-            _band(ax, lay, r, g, s.metric, colors[r])
+            band(ax, lay, r, g, s.metric, colors[r])
         ax.set_title(lay.col_name(col) if lay.col_keys else s.title, fontsize=9)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _finish(fig, axes, Path(out), f"{s.metric_label} (%)")
+    return finish(fig, axes, Path(out), f"{s.metric_label} (%)")
 
 
 def _xscale(ax: Any, xs: list[float]) -> None:
@@ -135,7 +140,7 @@ def versus_setting(lay: Layout, key: str, out: str | Path) -> Path | None:
     if all(sum(all(col[k] == v for k, v in p.items()) for col in lay.columns) < 2 for p in panels):
         return None  # every panel would hold one point: nothing to read off against the setting
     fig, axes = _panels(len(panels))
-    colors = _colors(lay.rows)
+    colors = row_colors(lay.rows)
     for ax, panel in zip(axes, panels, strict=True):
         diverged = []
         for r in lay.rows:
@@ -162,7 +167,7 @@ def versus_setting(lay: Layout, key: str, out: str | Path) -> Path | None:
             ", ".join(display(k, v, names, k in s.named_axes) for k, v in panel.items()) or s.title, fontsize=9
         )
         ax.set_xlabel(key.rsplit(".", 1)[-1])
-    return _finish(fig, axes, Path(out), f"final {s.metric_label} (%)")
+    return finish(fig, axes, Path(out), f"final {s.metric_label} (%)")
 
 
 def versus_hyper(lay: Layout, label: str, key: str, out: str | Path) -> Path | None:
@@ -179,7 +184,7 @@ def versus_hyper(lay: Layout, label: str, key: str, out: str | Path) -> Path | N
     if key not in keys:
         return None
     fig, axes = _panels(len(lay.columns))
-    colors = _colors(list(lines))
+    colors = row_colors(list(lines))
     names = s.names()
     for ax, col in zip(axes, lay.columns, strict=True):
         xs_all, diverged = [], []
@@ -203,28 +208,30 @@ def versus_hyper(lay: Layout, label: str, key: str, out: str | Path) -> Path | N
                 ax.errorbar(x, y, yerr=e, fmt="o-", color=colors[rest], label=name, capsize=3, ms=4, lw=1.2)
             if bad:
                 diverged.append((bad, colors[rest], f"{name}: diverged"))
-        for twin, pts in twin_points(lay, label, key, col).items():  # fig3: the twin at mu = beta / lambda
+        for name, pts in derived_points(lay, label, key, col).items():  # each derived row at value / divide_by
             x, y, e = zip(*pts, strict=True)
-            ax.errorbar(x, y, yerr=e, fmt="s--", color="0.35", label=twin, capsize=3, ms=4, lw=1.0)
+            ax.errorbar(x, y, yerr=e, fmt="s--", color="0.35", label=name, capsize=3, ms=4, lw=1.0)
         _mark_diverged(ax, diverged)
         _xscale(ax, sorted(set(xs_all)))
         ax.set_title(lay.col_name(col) if lay.col_keys else s.title, fontsize=9)
         ax.set_xlabel(f"{label} {key.rsplit('.', 1)[-1]}")
-    return _finish(fig, axes, Path(out), f"final {s.metric_label} (%)")
+    return finish(fig, axes, Path(out), f"final {s.metric_label} (%)")
 
 
-def twin_points(lay: Layout, label: str, key: str, col: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]:
+def derived_points(
+    lay: Layout, label: str, key: str, col: dict[str, Any]
+) -> dict[str, list[tuple[float, float, float]]]:
     """For a plot of ``label``'s ``[report.derived] plot_key``: each row derived from ``label`` as points (x = its
     ``value`` / its config's ``divide_by``, mean, std) of its final metric (%) in this column, by the derived row's
-    name; {} for any other hyperparameter. The paper's: the momentum twin at mu = beta / lambda."""
+    name; {} for any other hyperparameter."""
     s = lay.section
     view = s.study.derived
     if not view.plot_key or key.rsplit(".", 1)[-1] != view.plot_key:
         return {}
     out: dict[str, list[tuple[float, float, float]]] = {}
-    for twin in (t for t, of in s.derived.items() if of == label):
+    for derived in (t for t, of in s.derived.items() if of == label):
         pts = []
-        for r in (r for r in lay.rows if r[0] == twin):
+        for r in (r for r in lay.rows if r[0] == derived):
             g = lay.group_at(r, col)
             st = accuracy_stat(g, s.metric, s.last) if g is not None else None
             if st is not None and st.n and is_number(g.hyper.get(view.value)):
@@ -250,59 +257,57 @@ def _config_value(config: dict[str, Any], key: str) -> float:
     return float(value) if is_number(value) else 1.0
 
 
-DIAGNOSTICS = (("diag/h_cos", "cos(h, target)"), ("diag/h_rel_err", "relative error of h / s"))
+def figure_name(text: str) -> str:
+    """A row label or key as part of a file name: letters, digits, ``.``, ``_`` and ``-`` kept, anything else
+    (a reference's ``:``, a ``/``, a space) as ``_``, so a figure's file and its link in results.md are plain."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
 
 
-def has_diagnostics(lay: Layout) -> bool:
-    """Whether any run of the section logged ``[diagnostics]`` rows (``diag/*``)."""
-    return any("diag/h_cos" in row for g in lay.section.groups for r in g.runs for row in r.rows)
+def _curves(lay: Layout, out_dir: Path, prefix: str) -> list[Path]:
+    return [p] if (p := section_curves(lay, out_dir / f"{prefix}accuracy.png")) is not None else []
 
 
-def diagnostic_curves(lay: Layout, out: str | Path) -> Path | None:
-    """Theorem 1 measured: cos(h, target) (top) and the relative error after the steady-state scale (bottom) per
-    diagnostic round, one panel per setting, one line per row (mean over finished seeds, ±1 std band; rows whose
-    every seed diverged dashed up to the divergence). See docs/algorithms.md, "Theorem 1 measured"."""
-    if not lay.rows or not has_diagnostics(lay):
-        return None
-    cols = len(lay.columns)
-    fig, grid = plt.subplots(2, cols, figsize=(4.2 * cols, 6.4 + 0.8), dpi=110, squeeze=False)
-    colors = _colors(lay.rows)
-    axes = []
-    for i, (metric, label) in enumerate(DIAGNOSTICS):
-        for ax, col in zip(grid[i], lay.columns, strict=True):
-            for r in lay.rows:
-                g = lay.group_at(r, col)
-                if g is None:
-                    continue
-                _band(ax, lay, r, g, metric, colors[r], scale=0.01, marker=".", ms=3)  # _curve gives percent
-            if i == 0:
-                ax.set_title(lay.col_name(col) if lay.col_keys else lay.section.title, fontsize=9)
-            ax.set_ylabel(label, fontsize=8)
-            ax.set_xlabel("round")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            axes.append(ax)
-    return _finish(fig, axes, Path(out), DIAGNOSTICS[0][1])
-
-
-def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Path]:
-    """Every figure a section supports: curves; metric vs each numeric setting; vs each numeric hyperparameter."""
-    out_dir = Path(out_dir)
+def _settings(lay: Layout, out_dir: Path, prefix: str) -> list[Path]:
+    """Final metric vs each numeric setting that varies across the section's columns."""
     made = []
-    if (p := section_curves(lay, out_dir / f"{prefix}accuracy.png")) is not None:
-        made.append(p)
-    if (p := diagnostic_curves(lay, out_dir / f"{prefix}diagnostics.png")) is not None:
-        made.append(p)
     for key in lay.col_keys:
         values = {col[key] for col in lay.columns}  # hashable: lists and tables are frozen (runs.freeze)
         if len(values) > 1 and all(is_number(v) for v in values):
-            short = key.rsplit(".", 1)[-1]
+            short = figure_name(key.rsplit(".", 1)[-1])
             if (p := versus_setting(lay, key, out_dir / f"{prefix}vs_{short}.png")) is not None:
                 made.append(p)
+    return made
+
+
+def _hypers(lay: Layout, out_dir: Path, prefix: str) -> list[Path]:
+    """Final metric vs each numeric hyperparameter that varies within a row label."""
+    made = []
     for label, keys in lay.row_hyper_keys.items():
         for key in keys:
             values = {dict(r[1]).get(key) for r in lay.rows if r[0] == label}
             if len(values) > 1 and all(is_number(v) for v in values):
-                short = key.rsplit(".", 1)[-1]
-                if (p := versus_hyper(lay, label, key, out_dir / f"{prefix}{label}_vs_{short}.png")) is not None:
+                name = f"{prefix}{figure_name(label)}_vs_{figure_name(key.rsplit('.', 1)[-1])}.png"
+                if (p := versus_hyper(lay, label, key, out_dir / name)) is not None:
                     made.append(p)
+    return made
+
+
+Figure = Callable[[Layout, Path, str], list[Path]]
+
+# kind -> builder, in the order drawn; a section's study adds kinds of its own after these (by reference)
+FIGURES: dict[str, Figure] = {"curves": _curves, "settings": _settings, "hypers": _hypers}
+
+
+def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Path]:
+    """Every figure a section supports: ``FIGURES``, then its study's kinds (``Study.figures``)."""
+    out_dir = Path(out_dir)
+    made = []
+    for kind, entry in {**FIGURES, **lay.section.study.figures}.items():
+        if isinstance(entry, str):
+            entry = import_reference(f"report.study figures.{kind}", entry, ConfigError)
+            if not callable(entry):
+                raise ConfigError(
+                    f"report.study figures.{kind}: not a figure builder (Layout, folder, prefix) -> paths"
+                )
+        made += entry(lay, out_dir, prefix)
     return made

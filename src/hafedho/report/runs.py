@@ -24,7 +24,7 @@ from typing import Any
 from hafedho.config import RUNTIME_KEYS, ConfigError, canonical_json, config_from_table, experiment_identity, flatten
 from hafedho.report.paths import relative_paths
 from hafedho.report.study import Study
-from hafedho.runfiles import read_metrics, why_no_rows
+from hafedho.runfiles import DIVERGED, DONE, read_metrics, run_state, why_no_rows
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
 from hafedho.toml_io import read_toml
 
@@ -159,37 +159,30 @@ def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
     return flatten({**defaults, **settings})
 
 
-def at_horizon(run: Run, rounds: int | None) -> Run:
-    """``run`` as its sweep asked for it: its rows up to the sweep's horizon ``rounds`` (not part of a run's
-    identity, so another preset may have extended the run since: converge's 300 rounds of table1's runs); it then
-    reads as it was at the horizon. A run done short of the horizon reads as incomplete, never as its result."""
-    if not rounds or not run.rows:
-        return run
-    if (last := int(run.rows[-1]["round"])) < rounds:
-        if run.status == "done":  # done at a shorter horizon (another preset's): not this sweep's result yet
-            run.status, run.message = "incomplete", f"done at round {last}, short of the sweep's {rounds}"
-        return run
-    run.rows = [r for r in run.rows if int(r["round"]) <= rounds]
-    run.config = {**run.config, "rounds": rounds}
-    if run.status in ("incomplete", "diverged"):  # stopped after the horizon: at the horizon it was fine
-        run.status, run.message = "done", ""
-    return run
+# run_state's words as the report's Run.status (and so its status table) has them
+_STATUS = {"done": "done", "diverged": "diverged", "short": "incomplete", "interrupted": "incomplete", "new": "missing"}
 
 
-def read_run(run_dir: Path) -> Run:
-    """One run directory; ``missing`` when it has no config yet (a sweep's run that never started)."""
+def read_run(run_dir: Path, rounds: int | None = None) -> Run:
+    """One run directory; ``missing`` when it has no config yet (a sweep's run that never started).
+
+    With its sweep's horizon ``rounds`` (not part of a run's identity, so another preset may have extended the run
+    since: converge's 300 rounds of table1's runs), it reads as it was at the horizon (``runfiles.run_state``):
+    done there, its rows cut there, when it finished or went on past it; one done short of it is incomplete,
+    never its result."""
     cfg_path = run_dir / "config.toml"
     if not cfg_path.exists():
         return Run(run_dir, {}, [], "missing")
     rows = read_metrics(run_dir)
-    if (run_dir / "done").exists():
-        status, message = "done", ""
-    elif (run_dir / "diverged").exists():
-        status, message = "diverged", (run_dir / "diverged").read_text().strip()
-    else:
-        status, message = "incomplete", ""
+    state = run_state(run_dir, rounds, rows)
+    message = state.message
+    if state.status == "short":  # done at a shorter horizon (another preset's): not this sweep's result yet
+        message = f"done at round {state.rounds_done}, short of the sweep's {rounds}"
     config = read_toml(cfg_path)
-    run = Run(run_dir, config, rows, status, message, label=str(config.get("algorithm", {}).get("name", "?")))
+    if rounds and state.rounds_done >= rounds:
+        rows, config = [r for r in rows if int(r["round"]) <= rounds], {**config, "rounds": rounds}
+    label = str(config.get("algorithm", {}).get("name", "?"))
+    run = Run(run_dir, config, rows, _STATUS[state.status], message, label=label)
     try:
         marker = json.loads((run_dir / "run.json").read_text()).get("engine")
     except (OSError, ValueError, AttributeError):
@@ -250,7 +243,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
     axes = [a for a in index.axes if a not in set(index.row_axes) and not is_runtime(a)]
     runs, used = [], set()
     for entry in index.runs:
-        run = at_horizon(read_run(base / entry.dir), entry.rounds)
+        run = read_run(base / entry.dir, entry.rounds)
         used.add(run.dir.resolve())
         run.label, run.reference = entry.label if entry.label is not None else run.label, entry.reference
         run.setting = {k: freeze(v) for k, v in entry.point.items() if k in axes}
@@ -323,7 +316,7 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
     for d in sorted(p.parent for p in root.rglob("config.toml") if p.parent.resolve() not in used):
         if read_metrics(d):
             plain.append(d)
-        elif any((d / f).exists() for f in ("env.json", "metrics.jsonl", "done", "diverged")):
+        elif any((d / f).exists() for f in ("env.json", "metrics.jsonl", DONE, DIVERGED)):
             left_out[str(d.relative_to(root))] = why_no_rows(d)
     if plain:
         sections.append(_plain_section(plain, metric, last))

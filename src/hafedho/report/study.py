@@ -1,9 +1,9 @@
-"""A section's study: the method it is about, its plain reference, and how rows derived from another row read.
+"""A section's study: the method it is about, its plain reference, how rows derived from another row read, and
+the tables and figures it adds.
 
 Generic settings of ``[report]`` (any method's study):
 
-    study = "pkg.module:NAME"     # a dict of the settings below that the others override ("" none); default:
-                                  #   DEFAULTS where own is unset too, else none
+    study = "pkg.module:NAME"     # a dict of the settings below that the others override; default "" (none)
     own = "NAME"                  # the study's method (a row label, and the algorithm a row may run under another
                                   #   label): the verdict, the lead rows and the robustness table judge it; "" none
     own_name = "Name"             # how those tables name it (default: the study's name for that own, else own)
@@ -11,24 +11,27 @@ Generic settings of ``[report]`` (any method's study):
     reference_name = "Name"       #   (default as own_name)
     [report.derived]              # how a derived row (a [[variants]] row with derive) reads, over the study's:
     name = "..."                  #   its row name (with " (ROW)" when derived from a row other than own)
-    noun = "..."                  #   a short word for it in headers ("twin")
+    noun = "..."                  #   a short word for it in headers
     value = "KEY"                 #   a hyperparameter its rows split by, shown as "NAME = v"
     plot_key, divide_by           #   own's accuracy-vs-plot_key figure draws it at value / divide_by (a config key)
     matches, share, note          #   the verdict's wording where it matches own, the robustness note's, the note
 
-``DEFAULTS`` is the HaFedHo study's (``hafedho.paper.study``, loaded by reference as the engine registry loads
-engines): a plain folder of runs and an index written before these settings existed imply it.
+A study's dict may also hold ``tables`` and ``figures`` (kind -> ``"pkg.module:builder"``): kinds it adds to the
+report's registries (``hafedho.report.tables.TABLES``, ``hafedho.report.plots.FIGURES``), after the library's own.
+A section with no study settings (a plain folder of runs, an index of a preset without them) has none: plain tables
+and figures, no verdict. The HaFedHo paper's study is a plugin (``hafedho_paper.study:REPORT``, ``study/`` in this
+repository) that its presets name.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hafedho.config import ConfigError
-from hafedho.core.refs import import_reference
+from hafedho.core.refs import import_reference, is_reference
 
-DEFAULTS = "hafedho.paper.study:REPORT"
 KEYS = ("study", "own", "own_name", "reference", "reference_name", "derived")
 
 
@@ -51,11 +54,13 @@ class Study:
     reference: str = ""
     reference_name: str = ""
     derived: DerivedView = DerivedView()
+    tables: Mapping[str, str] = field(default_factory=dict)  # kind -> builder reference, added by the study
+    figures: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, report: dict[str, Any]) -> Study:
         """The study of a section's ``[report]`` settings, over its ``study`` reference (module docstring)."""
-        ref = str(report.get("study", DEFAULTS if "own" not in report else ""))
+        ref = str(report.get("study", ""))
         base = dict(import_reference("report.study", ref, ConfigError)) if ref else {}  # type: ignore[call-overload]
         settings = {**base, **{k: report[k] for k in KEYS if k in report}}
 
@@ -71,8 +76,17 @@ class Study:
             raise ConfigError(f"report.derived: unknown key(s) {', '.join(unknown)}")
         (own, own_name), (ref_label, ref_name) = label_and_name("own"), label_and_name("reference")
         view = DerivedView(**{k: str(v) for k, v in derived.items()})
-        return cls(own=own, own_name=own_name, reference=ref_label, reference_name=ref_name, derived=view)
+        kinds = {key: _kinds(base.get(key), f"report.study={ref!r}: {key}") for key in ("tables", "figures")}
+        return cls(own=own, own_name=own_name, reference=ref_label, reference_name=ref_name, derived=view, **kinds)
 
     def derived_name(self, of: str) -> str:
         """A derived row's name: ``derived.name``, plus ``(ROW)`` when it is derived from a row other than own."""
         return self.derived.name if of == self.own else f"{self.derived.name} ({of})"
+
+
+def _kinds(value: Any, where: str) -> dict[str, str]:
+    """A study's ``tables``/``figures``: kind -> builder reference (``is_reference``), checked here."""
+    value = value or {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and is_reference(v) for k, v in value.items()):
+        raise ConfigError(f"{where}: a table of kind -> 'package.module:builder' references, e.g. {{mine = 'pkg.m:f'}}")
+    return dict(value)

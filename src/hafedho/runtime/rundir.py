@@ -2,7 +2,8 @@
 
 What may be continued (``prepare``: same experiment, never shortened), what ``--force`` may delete (only a run
 directory), the facts written once (``start``), the metrics rows, checkpoints with the client store, and the
-``done``/``diverged`` markers. The file layout and the atomic writes are ``hafedho.runfiles``'.
+``done``/``diverged`` markers. The file layout, the atomic writes and the one reader of a run's state
+(``run_state``) are ``hafedho.runfiles``'.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from hafedho.config import (
     identity_diff,
 )
 from hafedho.runfiles import (
+    DIVERGED,
+    DONE,
     RunBusy,
     RunDirError,
     RunLock,
@@ -28,6 +31,7 @@ from hafedho.runfiles import (
     atomic_write_text,
     environment,
     read_metrics,
+    run_state,
     truncate_metrics,
     write_json,
 )
@@ -57,7 +61,7 @@ def check_same_experiment(run_dir: Path, cfg: Config) -> None:
 
 
 RUN_FILES = frozenset(
-    {"config.toml", "env.json", "partition.json", "run.json", "metrics.jsonl", "checkpoint.pt", "done", "diverged"}
+    {"config.toml", "env.json", "partition.json", "run.json", "metrics.jsonl", "checkpoint.pt", DONE, DIVERGED}
     | {"tracking.json", "tensorboard"}  # hafedho.tracking's ([log])
 )
 
@@ -85,11 +89,10 @@ def _check_deletable(run_dir: Path) -> None:
 
 
 def is_finished(run_dir: Path, rounds: int, rows: list[dict[str, Any]] | None = None) -> bool:
-    """The run in ``run_dir`` has finished exactly ``rounds`` rounds (``--resume`` then has nothing to do)."""
-    if not (run_dir / "done").is_file():
-        return False
-    rows = read_metrics(run_dir) if rows is None else rows
-    return bool(rows) and rows[-1]["round"] == rounds
+    """The run in ``run_dir`` has finished exactly ``rounds`` rounds (``--resume`` then has nothing to do): its
+    done marker, not only rows that reach ``rounds`` (a run killed before its marker still has to write it)."""
+    state = run_state(run_dir, rows=rows)
+    return state.status == "done" and state.rounds_done == rounds
 
 
 def check_same_data(run_dir: Path, partition: dict[str, Any] | None) -> None:
@@ -149,7 +152,7 @@ def prepare_run_dir(
         _force_delete(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
         if not resume:
-            state = "a finished" if (run_dir / "done").exists() else "an interrupted"
+            state = "a finished" if run_state(run_dir).status == "done" else "an interrupted"
             raise RunDirError(f"{run_dir} holds {state} run; pass --resume to continue it or --force to start over")
         check_same_experiment(run_dir, cfg)
         check_same_data(run_dir, partition)
@@ -163,7 +166,7 @@ def prepare_run_dir(
             )
         if is_finished(run_dir, cfg.rounds, rows):
             return True
-        if have and (run_dir / "done").exists() and not (run_dir / "checkpoint.pt").exists():
+        if have and run_state(run_dir, rows=rows).status == "done" and not (run_dir / "checkpoint.pt").exists():
             # A committed run keeps only its small files: continuing from round 1 would overwrite its metrics.
             raise RunDirError(
                 f"{run_dir} finished {have} rounds and has no checkpoint.pt (committed runs keep only their small "
@@ -223,8 +226,8 @@ class RunDir:
 
     def start(self, partition: dict[str, Any], facts: dict[str, Any]) -> None:
         """A run (re)starts: clear the end markers, write the environment, the partition and ``run.json``."""
-        (self.path / "done").unlink(missing_ok=True)
-        (self.path / "diverged").unlink(missing_ok=True)
+        (self.path / DONE).unlink(missing_ok=True)
+        (self.path / DIVERGED).unlink(missing_ok=True)
         write_json(self.path / "env.json", environment())
         write_json(self.path / "partition.json", partition)
         write_json(self.path / "run.json", facts)
@@ -299,7 +302,7 @@ class RunDir:
 
     def mark_done(self) -> None:
         self.wait()  # the last checkpoint is on disk before the run says it is done
-        atomic_write_text(self.path / "done", "")
+        atomic_write_text(self.path / DONE, "")
 
     def mark_diverged(self, text: str) -> None:
-        atomic_write_text(self.path / "diverged", text + "\n")
+        atomic_write_text(self.path / DIVERGED, text + "\n")

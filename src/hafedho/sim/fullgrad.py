@@ -40,21 +40,28 @@ from hafedho.experiment import Experiment
 from hafedho.runtime.store import ClientStore
 
 WEIGHTINGS = ("uniform", "data_size")  # a_j = 1/N, a_j = p_j (``core.aggregation_weight``'s names)
-DIAG_KEYS = (
-    "diag/h_cos",  # cos(h, T): the h used in round t (built at w_{t-1}) against the target at w_t
-    "diag/h_rel_err",  # ||h / s - T|| / ||T||, the legacy scalar scale s (a floor of its own: docs/algorithms.md)
-    "diag/h_ss_rel_err",  # ||h - h^*|| / ||h^*||, against Algorithm 1's noise-free full-participation steady state
-    "diag/h_def1_abs_err",  # ||mu_t h - T||, Definition 1's absolute error
-    "diag/h_norm",
-    "diag/target_norm",
-    "diag/ref_norm",  # ||h^*||
-    "diag/grad_norm",
-    "diag/fresh_cos",  # the same three for round t's fresh aggregate (the h of round t+1) against the target at w_t
-    "diag/fresh_ss_rel_err",
-    "diag/fresh_def1_abs_err",
-    "diag/fresh_norm",
-    "diag/seconds",
-)
+
+
+def diag_keys(name: str) -> tuple[str, ...]:
+    """Every key a diagnostic round adds to the metrics row, for an estimate the algorithm names ``name``
+    (``Diagnostics.name``; HaFedHo's h gives ``diag/h_cos``, ...): ``diag/{name}_*`` for the estimate used in round
+    t (built at w_{t-1}) against the target T at w_t, ``diag/fresh_*`` for round t's fresh aggregate (the estimate
+    of round t+1) against the same target."""
+    return (
+        f"diag/{name}_cos",  # cos(e, T)
+        f"diag/{name}_rel_err",  # ||e / s - T|| / ||T||, after the scalar scale s (Estimate.scale)
+        f"diag/{name}_ss_rel_err",  # ||e - e^*|| / ||e^*||, against the estimate's steady state (Estimate.reference)
+        f"diag/{name}_def1_abs_err",  # ||coef e - T|| (Estimate.coef)
+        f"diag/{name}_norm",
+        "diag/target_norm",
+        "diag/ref_norm",  # ||e^*||
+        "diag/grad_norm",
+        "diag/fresh_cos",
+        "diag/fresh_ss_rel_err",
+        "diag/fresh_def1_abs_err",
+        "diag/fresh_norm",
+        "diag/seconds",
+    )
 
 
 class FullGradients(NamedTuple):
@@ -141,18 +148,18 @@ def _norm(x: Params) -> float:
     return math.sqrt(float(tree.sq_norm(_f64(x))))
 
 
-def measure(h: Params, target: Params, scale: float) -> dict[str, float]:
-    """One client's diagnostic (float64): the cosine between h and the target (0 when either is 0), the relative
-    error ||h/s - target|| / ||target|| after the steady-state scale s, and both norms."""
-    h, target = _f64(h), _f64(target)
-    hn, tn = _norm(h), _norm(target)
-    dot = float(tree.dot(h, target))
-    err = _norm(tree.sub({k: v / scale for k, v in h.items()}, target))
+def measure(e: Params, target: Params, scale: float) -> dict[str, float]:
+    """One client's diagnostic (float64): the cosine between e and the target (0 when either is 0), the relative
+    error ||e/s - target|| / ||target|| after the scale s, and both norms (keys without their ``diag/`` prefix)."""
+    e, target = _f64(e), _f64(target)
+    en, tn = _norm(e), _norm(target)
+    dot = float(tree.dot(e, target))
+    err = _norm(tree.sub({k: v / scale for k, v in e.items()}, target))
     return {
-        "diag/h_cos": dot / (hn * tn) if hn > 0 and tn > 0 else 0.0,
-        "diag/h_rel_err": err / tn if tn > 0 else (0.0 if err == 0 else 1.0),
-        "diag/h_norm": hn,
-        "diag/target_norm": tn,
+        "cos": dot / (en * tn) if en > 0 and tn > 0 else 0.0,
+        "rel_err": err / tn if tn > 0 else (0.0 if err == 0 else 1.0),
+        "norm": en,
+        "target_norm": tn,
     }
 
 
@@ -199,15 +206,19 @@ def diagnose(
     exp: Experiment, msg: Any, rnd: RoundInfo, cohort: list[int], store: ClientStore, full: FullGradients, dtype: Any
 ) -> dict[str, float]:
     """Cohort means of ``measure`` and ``errors`` for each sampled client's estimate (``Diagnostics.estimate``, from
-    its state before it trains; the aggregates in the parameters' ``dtype``), and ``diag/grad_norm`` =
-    ||sum_j p_j grad f_j(w_t)||, the norm of grad Gamma(w_t)."""
-    estimate, fed = _estimate(exp), exp.fed
+    its state before it trains; the aggregates in the parameters' ``dtype``), named by ``Diagnostics.name``
+    (``diag_keys``), and ``diag/grad_norm`` = ||sum_j p_j grad f_j(w_t)||, the norm of grad Gamma(w_t)."""
+    estimate, fed, name = _estimate(exp), exp.fed, Diagnostics.of(exp.alg).name
     aggs = full.aggregates(dtype, f"{rnd.round}:")
     per = []
     for cid in cohort:
         steps = exp.plan.steps_for(int(fed.sizes[cid]))
         est = estimate(msg, store.gather(cid), fed.client_info(cid), rnd, aggs, full.own[cid], steps)
-        per.append({**measure(est.e, est.target, est.scale), **errors(est, "h"), "diag/ref_norm": _norm(est.reference)})
+        m = measure(est.e, est.target, est.scale)
+        per.append(
+            {f"diag/{name}_{k}": m[k] for k in ("cos", "rel_err", "norm")} | {"diag/target_norm": m["target_norm"]}
+        )
+        per[-1] |= {**errors(est, name), "diag/ref_norm": _norm(est.reference)}
     out = _mean(per)
     out["diag/grad_norm"] = _norm(full.grad["data_size"])
     return out
@@ -231,8 +242,8 @@ def fresh(
     for cid in cohort:
         steps = exp.plan.steps_for(int(fed.sizes[cid]))
         est = estimate(msg, store.gather(cid), fed.client_info(cid), nxt, aggs, full.own[cid], steps)
-        cos = measure(est.e, est.target, est.scale)
-        per.append({"diag/fresh_cos": cos["diag/h_cos"], **errors(est, "fresh"), "diag/fresh_norm": cos["diag/h_norm"]})
+        m = measure(est.e, est.target, est.scale)
+        per.append({"diag/fresh_cos": m["cos"], **errors(est, "fresh"), "diag/fresh_norm": m["norm"]})
     return _mean(per)
 
 

@@ -8,6 +8,7 @@ server state, the client store (where ``client_store`` places it) and every pass
 
 from __future__ import annotations
 
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -15,13 +16,13 @@ from tqdm import tqdm
 
 from hafedho.core import ConfigError, tree
 from hafedho.core.device import describe, free_bytes, precision, resolve_device
-from hafedho.engine_registry import engine_for
 from hafedho.experiment import Experiment
 from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
 from hafedho.runtime.rundir import RunDir
 from hafedho.runtime.store import ClientStore, placement
 from hafedho.runtime.work import Engine, RoundWork, available_cores
+from hafedho.sim.engines.make import engine_for, engine_label
 from hafedho.sim.fullgrad import fresh, params_dtype, prepare_round
 
 __all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
@@ -45,12 +46,15 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
         device = resolve_device(exp.cfg.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    with RunDir(run_dir) as rd:
+    # The engine and its options, as the registry declares them (or a user's, by reference): built before the
+    # run's lock is taken, so a bad one is refused before anything is written; closed with the run (a worker
+    # pool never outlives it, also on Divergence or Ctrl-C).
+    engine = engine_for(exp.cfg, device)
+    with closing(engine), RunDir(run_dir) as rd:
         previous = torch.get_num_threads()
         if exp.cfg.threads:
             torch.set_num_threads(exp.cfg.threads)
-        engine = engine_for(exp.cfg, device)  # the engine and its options, as the registry declares them
-        try:  # a worker pool never outlives the run, also on Divergence or Ctrl-C
+        try:
             with precision(exp.cfg.precision):
                 return _run(exp, rd, resume, force, progress, engine, device)
         except KeyboardInterrupt:
@@ -67,7 +71,6 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
                 rd.discard_unstarted()
             raise
         finally:
-            engine.close()
             torch.set_num_threads(previous)
 
 
@@ -144,10 +147,11 @@ def _run(
     need = fed.num_clients * ClientStore.template_nbytes(template)
     place = placement(cfg.client_store, need, device, free_bytes(device))
     store = ClientStore(template, fed.num_clients, rd.path / "client_store" if place == "disk" else None, device, place)
-    where = _where(device, engine, cfg.precision, place, need)
+    label = engine_label(cfg, engine)
+    where = _where(device, label, cfg.precision, place, need)
     if progress:
         tqdm.write(f"{cfg.run_name}: {where}")
-    facts = {"device": describe(device), "engine": engine.name, "precision": cfg.precision, "client_store": place}
+    facts = {"device": describe(device), "engine": label, "precision": cfg.precision, "client_store": place}
     rd.start(exp.partition, run_facts(exp, warn=lambda text: tqdm.write(f"warning: {text}"), **facts))
     start, server, wall = rd.resume(server, store) if resume else (1, server, 0.0)
     rd.truncate(start - 1)  # rounds after the checkpoint are recomputed identically
@@ -181,11 +185,11 @@ def _run(
     return server_rounds.rows[-1] if server_rounds.rows else {}
 
 
-def _where(device: torch.device, engine: Engine, policy: str, place: str, store_bytes: int) -> str:
+def _where(device: torch.device, engine: str, policy: str, place: str, store_bytes: int) -> str:
     """A run's first line: where it runs, on which engine, at which precision, and where its client store is."""
     store = {"device": "on the GPU", "memory": "in RAM", "disk": "memory-mapped on disk"}[place]
     size = f"client store {_size(store_bytes)} {store}" if store_bytes else "no client state"
-    return f"device {describe(device)}, engine {engine.name}, precision {policy}, {size}"
+    return f"device {describe(device)}, engine {engine}, precision {policy}, {size}"
 
 
 def _size(n: int) -> str:

@@ -1,6 +1,6 @@
 """Experiment presets and multi-seed sweeps: expand a preset into run configs, run the missing ones in parallel.
 
-A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
+A preset (an installed plugin's ``NAME``, e.g. the paper study's ``table1``, or your own file) is TOML::
 
     extends = "_common"          # optional: a preset in the same folder, deep-merged under this one
     description = "..."
@@ -16,11 +16,10 @@ A preset (``configs/paper/NAME.toml`` or your own file) is TOML::
     cross = ["dataset"]          #   grid axes it is crossed with (the others do not apply to it)
     reference = true             #   shown, but never bold and never a competitor
     set = {...}                  #   its overrides
-    [[variants]]                 # a derived row: one run beside every run of another row, e.g. HaFedHo's twin
-    label = "hafedho-twin"       #   its row label
-    of = "hafedho"               #   the row it follows (its label); no other keys but derive
-    derive = "hafedho.paper.twin:momentum_twin"  # a function cfg -> (the [algorithm] table, or None, and why not)
-                                 #   (twin_of = "ROW" instead of of + derive: the paper's momentum twin)
+    [[variants]]                 # a derived row: one run beside every run of another row
+    label = "ROW-derived"        #   its row label
+    of = "ROW"                   #   the row it follows (its label); no other keys but derive
+    derive = "my_pkg.rows:derive"  # a function cfg -> (the [algorithm] table, or None, and why not)
     [report]                     # how `hafedho report` shows it (metric, last, targets, names, title; the study:
                                  #   own, reference, derived rows' reading: hafedho.report.study)
     [scale.cpu] / [scale.full]   # a partial preset merged over this one for --scale (cpu is the default);
@@ -36,11 +35,8 @@ with another label gets none), one run with that run's config and seed and ``[al
 validated config). It has its row's grid point and is named as any run of its algorithm (``ALG-SOURCE-HASH-sSEED``),
 so an identical run elsewhere is the same directory (within a preset it is listed under both row labels). Where
 ``derive`` returns None, the sweep index's ``notes`` say why there is none, and the report shows them under the
-final table. The paper's momentum twin (``hafedho.paper.twin.momentum_twin``) is FedAvgM with ``beta =
-lambda*mu`` (lambda = the run's ``clients.local_steps``, mu = its resolved ``algorithm.hafedho.mu``, so dataset
-bundles and a mu axis are followed), ``weighting`` = its ``aggregation``, ``server_lr`` = eta / lr and the same
-``lr``; it exists only for accumulate = "phi", mu_schedule = "constant", local_epochs = 0, lambda*mu < 1 and no
-other HaFedHo setting changed (docs/algorithms.md, "HaFedHo's momentum twin").
+final table. The paper study's momentum twin (``hafedho_paper.twin``, a plugin: ``study/`` in this repository) is
+one.
 
 Run directories are ``OUT/LABEL-SOURCE-HASH-sSEED``, the name ``hafedho run`` gives (``Config.run_name`` with
 ``name = LABEL-SOURCE``; LABEL is the algorithm, or a variant's label): HASH is the experiment's identity

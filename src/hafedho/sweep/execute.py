@@ -21,7 +21,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from hafedho.config import Config
-from hafedho.runfiles import RunDirError, read_metrics
+from hafedho.runfiles import run_state
 from hafedho.sweep.expand import RunSpec
 
 
@@ -51,24 +51,6 @@ class SweepResult:
     def summary(self) -> str:
         parts = [f"{self.count(s)} {s}" for s in ("done", "skipped", "busy", "diverged", "failed") if self.count(s)]
         return ", ".join(parts) or "nothing to run"
-
-
-def run_status(run_dir: Path, rounds: int | None = None) -> str:
-    """``done``, ``short`` (done, but with fewer than ``rounds`` rounds: extended from its checkpoint), ``diverged``
-    (never retried), ``interrupted`` (resumed) or ``new``. A done run with more rounds than asked stays done."""
-    if (run_dir / "done").exists():
-        if rounds is None:
-            return "done"
-        try:
-            rows = read_metrics(run_dir)
-        except RunDirError:  # unreadable metrics: run_spec reports the problem in one line
-            return "short"
-        return "done" if rows and rows[-1]["round"] >= rounds else "short"
-    if (run_dir / "diverged").exists():
-        return "diverged"
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        return "interrupted"
-    return "new"
 
 
 class Backend(Protocol):
@@ -134,7 +116,7 @@ def _run_spec(cfg: Config, path: Path) -> Outcome:
     from hafedho.sim.runner import Divergence, run
 
     t0, name = time.perf_counter(), path.name  # the spec's name (Config.run_name)
-    if run_status(path, cfg.rounds) == "done":  # finished by another sweep since this one started
+    if run_state(path, cfg.rounds).status == "done":  # finished by another sweep since this one started
         return Outcome(name, "skipped", "done meanwhile")
     try:  # run() takes the run's lock (RunLock), shared with `hafedho run` and other sweeps
         last = run(build(cfg), path, resume=path.exists(), progress=False)
@@ -168,12 +150,11 @@ def run_sweep(
     result = SweepResult()
     todo: list[RunSpec] = []
     for s in specs:
-        status = run_status(s.run_dir, s.cfg.rounds)  # "short": extended, or one line if it has no checkpoint
-        if status == "done":
+        state = run_state(s.run_dir, s.cfg.rounds)  # "short": extended, or one line if it has no checkpoint
+        if state.status == "done":
             result.outcomes.append(Outcome(s.name, "skipped", "done before"))
-        elif status == "diverged":
-            text = (s.run_dir / "diverged").read_text().strip()
-            result.outcomes.append(Outcome(s.name, "diverged", f"(earlier) {text}"))
+        elif state.status == "diverged":
+            result.outcomes.append(Outcome(s.name, "diverged", f"(earlier) {state.message}"))
         else:
             todo.append(s)
     bar = tqdm(total=len(specs), initial=len(specs) - len(todo), desc="sweep", unit="run", disable=not progress)
@@ -216,7 +197,7 @@ def run_sweep(
     except KeyboardInterrupt:  # one line: what is finished, and that the same command continues
         from hafedho.sim.runner import Interrupted
 
-        done = sum(run_status(s.run_dir, s.cfg.rounds) == "done" for s in specs)
+        done = sum(run_state(s.run_dir, s.cfg.rounds).status == "done" for s in specs)
         raise Interrupted(
             f"sweep interrupted with {done} of {len(specs)} runs done; run the same command again to continue "
             "(finished runs are skipped, interrupted ones resume from their last checkpoint)"

@@ -2,7 +2,7 @@
 
 A variant with ``derive`` (a ``"package.module:function"`` reference, ``hafedho.core.refs``) and ``of`` (a row label)
 adds one run derived from every run of that row, right beside it: ``function(cfg)`` gives the derived run's
-``[algorithm]`` table, or None and why it has none (the paper's momentum twin is one: ``hafedho.paper.twin``)."""
+``[algorithm]`` table, or None and why it has none."""
 
 from __future__ import annotations
 
@@ -225,14 +225,12 @@ Derive = Callable[[Config], tuple[dict[str, Any] | None, str]]
 
 
 def _derived_variant(var: dict[str, Any], where: str, derived: dict[str, tuple[str, Derive]]) -> None:
-    """Check a derived variant (``label``, ``of``, ``derive``; or ``label`` and the sugar ``twin_of``) and resolve
-    its function by reference."""
-    keys = {"label", "twin_of"} if "twin_of" in var else {"label", "of", "derive"}
-    unknown = sorted(set(var) - keys)
-    if unknown or set(var) != keys or not all(isinstance(var[k], str) for k in keys):
+    """Check a derived variant (``label``, ``of``, ``derive``) and resolve its function by reference."""
+    keys = {"label", "of", "derive"}
+    if set(var) != keys or not all(isinstance(var[k], str) for k in keys):
         raise ConfigError(
             f"{where}: a derived variant takes only label = '...', of = '<row label>' and "
-            "derive = 'package.module:function' (or label and twin_of = '<row label>')"
+            "derive = 'package.module:function'"
         )
     row = derived_row(var)
     if row["of"] in derived:

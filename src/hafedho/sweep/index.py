@@ -4,9 +4,9 @@ This module is the one owner of the format: ``hafedho sweep`` writes it (``write
 (``read_index``, ``find_indexes``). An index names each run's directory (relative to the folder that holds
 ``sweeps/``), its row label, grid point, seed and whether it is a reference, plus the preset's axes, the axes that
 are rows, its ``[report]`` settings, the runs that failed in the latest sweep, its derived rows (label -> the row it
-sits beside and the function's reference) and notes for the report (e.g. why a cell has no derived run). An
-index written before derived rows had a reference lists them as ``twins`` (label -> row); they read as
-``twin_of``'s function.
+sits beside and the function's reference) and notes for the report (e.g. why a cell has no derived run). A key
+the format does not have (an index of an older or newer version, e.g. one written before derived rows named their
+function) is refused in one line rather than read wrongly: a sweep of the preset rewrites the index.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hafedho.config import ConfigError
 from hafedho.runfiles import write_json
-from hafedho.sweep.presets import TWIN_OF_DERIVE, Preset, row_axes
+from hafedho.sweep.presets import Preset, row_axes
 from hafedho.toml_io import parse_override
 
 if TYPE_CHECKING:  # a type only: the report reads indexes without loading the expansion
@@ -76,8 +77,16 @@ def runs_folder(path: Path) -> Path:
 
 
 def read_index(path: Path) -> SweepIndex:
-    """An index file; missing keys take their defaults (the preset's name is then the file's)."""
+    """An index file; missing keys take their defaults (the preset's name is then the file's); unknown keys are
+    refused (module docstring)."""
     data = json.loads(path.read_text())
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(SweepIndex)})
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(unknown)} (written by another version of hafedho); run "
+            f"`hafedho sweep {data.get('preset', path.stem)} --out {runs_folder(path)}` to rewrite it "
+            "(finished runs are kept and skipped)"
+        )
     return SweepIndex(
         preset=str(data.get("preset", path.stem)),
         scale=data.get("scale"),
@@ -97,7 +106,7 @@ def read_index(path: Path) -> SweepIndex:
             for e in data.get("runs", [])
         ],
         failed=dict(data.get("failed", {})),
-        derived=_derived(data),
+        derived={str(k): {"of": str(v["of"]), "derive": str(v["derive"])} for k, v in data.get("derived", {}).items()},
         notes=list(data.get("notes", [])),
     )
 
@@ -118,13 +127,6 @@ def changing_overrides(preset: Preset, overrides: Iterable[str]) -> list[str]:
                 continue
         changing.append(text)
     return changing
-
-
-def _derived(data: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """The index's derived rows; an old index's ``twins`` (label -> row) as ``twin_of`` wrote them."""
-    if "derived" in data:
-        return {str(k): {"of": str(v["of"]), "derive": str(v["derive"])} for k, v in data["derived"].items()}
-    return {str(k): {"of": str(v), "derive": TWIN_OF_DERIVE} for k, v in data.get("twins", {}).items()}
 
 
 def write_index(preset: Preset, specs: list[RunSpec], out: str | Path, failed: dict[str, str] | None = None) -> Path:

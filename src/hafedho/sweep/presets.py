@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hafedho.config import CONFIG_DIR, Config, ConfigError
+from hafedho.config import Config, ConfigError
+from hafedho.core.plugins import preset_folders
 from hafedho.toml_io import deep_merge, is_number, read_toml
 
-PRESET_DIR = CONFIG_DIR / "paper"
 SCALES = ("cpu", "full")
 _KEYS = {"extends", "description", "seeds", "out", "base", "grid", "bundles", "variants", "report", "scale"}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
@@ -55,8 +55,8 @@ class Preset:
 
     @property
     def derived(self) -> dict[str, dict[str, str]]:
-        """Its derived rows (``[[variants]]`` with ``derive``, or the sugar ``twin_of``): label -> ``{"of": the row
-        label it sits beside, "derive": the function's reference}``."""
+        """Its derived rows (``[[variants]]`` with ``derive``): label -> ``{"of": the row label it sits beside,
+        "derive": the function's reference}``."""
         return {str(v["label"]): derived_row(v) for v in self.table.get("variants", []) if is_derived(v)}
 
     @property
@@ -64,38 +64,36 @@ class Preset:
         return self.table.get("report", {})
 
 
-# ``twin_of = ROW`` is sugar for ``of = ROW`` with this ``derive`` (the paper's momentum twin); an index written
-# before derived rows had a reference lists its rows under ``twins`` and means the same function.
-TWIN_OF_DERIVE = "hafedho.paper.twin:momentum_twin"
-
-
 def is_derived(variant: dict[str, Any]) -> bool:
-    """A ``[[variants]]`` row derived from another row's runs (``derive``, or ``twin_of``)."""
-    return "derive" in variant or "twin_of" in variant
+    """A ``[[variants]]`` row derived from another row's runs (it names a ``derive`` function)."""
+    return "derive" in variant
 
 
 def derived_row(variant: dict[str, Any]) -> dict[str, str]:
-    """``{"of": ..., "derive": ...}`` of a derived variant (``twin_of`` read as its sugar)."""
-    if "twin_of" in variant:
-        return {"of": str(variant["twin_of"]), "derive": TWIN_OF_DERIVE}
+    """``{"of": ..., "derive": ...}`` of a derived variant."""
     return {"of": str(variant.get("of")), "derive": str(variant["derive"])}
 
 
-def list_presets(folder: Path = PRESET_DIR) -> list[str]:
-    """Names of the runnable presets in ``folder`` (files starting with ``_`` are shared parts)."""
-    return sorted(p.stem for p in folder.glob("*.toml") if not p.stem.startswith("_"))
+def list_presets(folder: Path | None = None) -> list[str]:
+    """Names of the runnable presets in ``folder``, or in every installed plugin's (``hafedho.core.plugins``);
+    files starting with ``_`` are shared parts."""
+    folders = [folder] if folder is not None else preset_folders()
+    return sorted({p.stem for f in folders for p in f.glob("*.toml") if not p.stem.startswith("_")})
 
 
 def preset_path(name: str) -> Path:
-    """A preset file: a path, or the name of a packaged preset (``table1``)."""
+    """A preset file: a path, or the name of a preset an installed plugin provides (``table1``: the paper study's,
+    ``study/`` in this repository; the first plugin in name order that has it)."""
     p = Path(name)
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
             raise ConfigError(f"preset file not found: {p}")
         return p
-    if (PRESET_DIR / f"{name}.toml").is_file():
-        return PRESET_DIR / f"{name}.toml"
-    raise ConfigError(f"unknown preset {name!r}; packaged presets: {', '.join(list_presets())}, or pass a .toml file")
+    for folder in preset_folders():
+        if (folder / f"{name}.toml").is_file():
+            return folder / f"{name}.toml"
+    known = ", ".join(list_presets()) or "none (no plugin with presets is installed)"
+    raise ConfigError(f"unknown preset {name!r}; installed presets: {known}, or pass a .toml file")
 
 
 def nest(table: dict[str, Any]) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 A new table is one module with a builder ``Layout -> list[Table]`` plus one line in ``TABLES``; a preset's
 ``[report] tables = [...]`` names the kinds it wants first, or a builder of one's own by reference
-(``"my_pkg.tables:mine"``, ``hafedho.core.refs``). A ``TABLES`` entry may be such a reference too, imported on
-demand: the HaFedHo study's diagnostics tables live in ``hafedho.paper``. The run-status table always comes last.
+(``"my_pkg.tables:mine"``, ``hafedho.core.refs``). A section's study adds kinds of its own after these
+(``hafedho.report.study``: ``tables`` in its dict, by reference, imported on demand). The run-status table always
+comes last.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ from hafedho.report.tables.verdict import verdict_table
 
 Builder = Callable[[Layout], list[Table]]
 
-# kind -> builder (or its reference), in the default order
+# kind -> builder, in the default order
 TABLES: dict[str, Builder | str] = {
     "final": accuracy_tables,
     "rounds": to_target_tables,
     "best_hyper": best_hyper_table,
     "verdict": verdict_table,
     "robustness": robustness_table,  # only where a preset runs several protocols (a `protocol` axis)
-    "diagnostics": "hafedho.paper.diagnostics:diagnostics_table",  # only where runs logged HaFedHo's [diagnostics]
 }
 
 
@@ -40,12 +40,13 @@ def section_tables(section: Section) -> list[Table]:
     lay = Layout.of(section)
     if not lay.rows:
         return [status_table(section)]
-    order = list(section.report.get("tables", [])) or list(TABLES)
-    order += [k for k in TABLES if k not in order]
+    kinds = {**TABLES, **section.study.tables}
+    order = list(section.report.get("tables", [])) or list(kinds)
+    order += [k for k in kinds if k not in order]
     out: list[Table] = []
     for key in order:
-        if key in TABLES or is_reference(key):
-            out += builder(TABLES.get(key, key))(lay)
+        if key in kinds or is_reference(key):
+            out += builder(kinds.get(key, key))(lay)
     return [*out, status_table(section)]
 
 

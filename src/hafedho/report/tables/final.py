@@ -60,7 +60,7 @@ def accuracy_tables(lay: Layout) -> list[Table]:
     for extra in (no_data_note(s), horizon_note(s)):
         what += f"; {extra}" if extra else ""
     final_def = f"final = mean of the last {s.last} evaluations"
-    twin_note = _derived_note(lay)
+    derived_note = _derived_note(lay)
     flat = _flattened(s)
     if len(lay.columns) == 1:
         col = lay.columns[0]
@@ -87,7 +87,7 @@ def accuracy_tables(lay: Layout) -> list[Table]:
         title = f"Final {s.metric_label}: {s.title}" + (f": {lay.col_name(col)}" if lay.col_keys else "")
         lead = [row + [Cell("")] * flat for row in _lead_rows(lay, [col], "final")]
         note = f"{what}; {FLAT_NOTE}" if flat else what
-        return [Table("final", title, header, rows + lead, note + twin_note)]
+        return [Table("final", title, header, rows + lead, note + derived_note)]
     tables = []
     for kind, label in (("final", "Final"), ("best", "Best")):
         with_flat = flat and kind == "final"  # after each setting's column: has that curve flattened?
@@ -118,7 +118,7 @@ def accuracy_tables(lay: Layout) -> list[Table]:
         if hyper_note := lay.column_hyper_note():
             note += f"; {hyper_note}"
         if kind == "final":
-            note += twin_note
+            note += derived_note
         tables.append(Table(kind, f"{label} {s.metric_label}: {s.title}", header, rows, note))
     return tables
 
@@ -154,11 +154,11 @@ def _lead_rows(lay: Layout, cols: list[dict[str, Any]], kind: str) -> list[list[
     if not study.own or own not in lay.rows:
         return []
     baselines = [r for r in lay.rows if lay.is_baseline(r)]
-    twins = [r for r in lay.rows if lay.section.derived.get(r[0]) == study.own and not lay.is_reference(r)]
+    derived_rows = [r for r in lay.rows if lay.section.derived.get(r[0]) == study.own and not lay.is_reference(r)]
     out = []
     for name, against in (
         (f"{study.own_name} lead over best baseline (pp)", baselines),
-        (f"{study.own_name} lead over its {study.derived.noun} (pp)", twins),
+        (f"{study.own_name} lead over its {study.derived.noun} (pp)", derived_rows),
     ):
         out += _lead_row(lay, cols, kind, name, own, against)
     return out

@@ -36,17 +36,17 @@ def robust_verdict(verdicts: dict[str, str]) -> str:
     return "not robust: " + "; ".join(f"{v} under {p}" for p, v in verdicts.items())
 
 
-def twin_share(lay: Layout, col: dict[str, Any], j: Judged | None) -> str:
+def derived_share(lay: Layout, col: dict[str, Any], j: Judged | None) -> str:
     """(derived - reference) / (own - reference) in this column (``j``: its verdict), as a percentage; why not where
     it is undefined."""
     study = lay.section.study
     ref = best_of(lay, study.reference, col) if study.reference else None
-    if j is None or j.twin is None or ref is None or not ref.n:
+    if j is None or j.derived is None or ref is None or not ref.n:
         return "—"
     gain = j.own.mean - ref.mean
     if gain <= 0:
         return f"n/a ({study.own_name} ≤ {study.reference_name})"
-    return f"{100 * (j.twin.mean - ref.mean) / gain:.0f}%"
+    return f"{100 * (j.derived.mean - ref.mean) / gain:.0f}%"
 
 
 def robustness_table(lay: Layout) -> list[Table]:
@@ -69,7 +69,7 @@ def robustness_table(lay: Layout) -> list[Table]:
             col = {**rest, AXIS: p}
             j = next((j for c, j in judged if c == col), None)
             verdicts[head] = j.text if j is not None else NOT_RUN
-            shares.append(twin_share(lay, col, j) if j is not None else "—")
+            shares.append(derived_share(lay, col, j) if j is not None else "—")
         overall = robust_verdict(verdicts)
         robust += overall == ROBUST
         name = lay.col_name(rest) if rest else s.title

@@ -59,14 +59,14 @@ def matches_text(study: Study) -> str:
     return f"holds, but the {study.derived.noun} matches it ({study.derived.matches})"
 
 
-def verdict(own: Stat, baseline: Stat, twin: Stat | None, matches: str = MATCHES) -> str:
-    """The plain verdict of the module docstring (``matches`` where the derived row ``twin`` matches own); too
+def verdict(own: Stat, baseline: Stat, derived: Stat | None, matches: str = MATCHES) -> str:
+    """The plain verdict of the module docstring (``matches`` where the derived row ``derived`` matches own); too
     few seeds on either side is said, never judged."""
     n = min(own.n, baseline.n)
     if n < MIN_SEEDS:
         return f"not judged: {n} seed{'s' if n != 1 else ''} (needs {MIN_SEEDS})"
     if beats(own, baseline):
-        if twin is not None and twin.n >= MIN_SEEDS and not beats(own, twin):
+        if derived is not None and derived.n >= MIN_SEEDS and not beats(own, derived):
             return matches
         return HOLDS
     return FAILS if beats(baseline, own) else TIE
@@ -79,7 +79,7 @@ class Judged:
     own: Stat
     base: Stat
     base_label: str
-    twin: Stat | None
+    derived: Stat | None
     text: str
 
 
@@ -88,16 +88,16 @@ def judge(lay: Layout, col: dict) -> Judged | None:
     s = lay.section
     labels = {r[0] for r in lay.rows}
     base_labels = {r[0] for r in lay.rows if lay.is_baseline(r)}
-    twin_label = next((t for t, of in s.derived.items() if of == s.study.own), None)
+    derived_label = next((t for t, of in s.derived.items() if of == s.study.own), None)
     best = {lab: best_of(lay, lab, col) for lab in labels}
     own = best.get(s.study.own)
     baselines = [(st, lab) for lab, st in best.items() if lab in base_labels and st is not None and st.n and ranks(st)]
     if own is None or not own.n or not baselines:
         return None
     base, base_label = max(baselines, key=lambda t: t[0].mean)
-    twin = best.get(twin_label) if twin_label is not None else None
-    twin = twin if twin is not None and twin.n else None
-    return Judged(own, base, base_label, twin, verdict(own, base, twin, matches_text(s.study)))
+    derived = best.get(derived_label) if derived_label is not None else None
+    derived = derived if derived is not None and derived.n else None
+    return Judged(own, base, base_label, derived, verdict(own, base, derived, matches_text(s.study)))
 
 
 def verdict_table(lay: Layout) -> list[Table]:
@@ -117,7 +117,7 @@ def verdict_table(lay: Layout) -> list[Table]:
                 Cell(lay.col_name(col) if lay.col_keys else s.title),
                 Cell(show(lay, j.own)),
                 Cell(f"{lay.section.names().get(j.base_label, j.base_label)}: {show(lay, j.base)}"),
-                Cell(show(lay, j.twin) if j.twin is not None else "none"),
+                Cell(show(lay, j.derived) if j.derived is not None else "none"),
                 Cell(j.text),
             ]
         )

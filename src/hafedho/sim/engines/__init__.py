@@ -18,6 +18,7 @@ then agree in distribution (same accuracy), not to a float bound, and the tests 
 
 Modules: one per engine (``loop``, ``process``, ``vmap``), each on ``hafedho.runtime.work`` (the ``Engine``
 protocol, ``RoundWork``, ``CohortStream``, ``CohortResult``) and none on another; ``hafedho.engine_registry``
-(``ENGINES``, ``make_engine``, ``auto``) names them by module path, below the config, which reads it for its
-choices and options. This file imports nothing.
+(``ENGINES``, ``OPTIONS``) names them by module path, below the config, which reads it for its help and options;
+``make`` (``make_engine``, ``engine_for``, ``auto``) builds them by that name, or a user's engine by reference.
+This file imports nothing.
 """

@@ -1,16 +1,30 @@
-"""HaFedHo's ``[diagnostics]`` tables (Theorem 1 measured): does the estimation error of h decay toward zero?
+"""HaFedHo's ``[diagnostics]`` tables and figure (Theorem 1 measured): does the estimation error of h decay toward
+zero?
 
-A report table of the study (``Layout -> list[Table]``), named in ``hafedho.report.tables.TABLES`` by reference
-(``"diagnostics"``), as any table of one's own can be in ``[report] tables``."""
+The study adds them to the report as the kinds ``"diagnostics"`` (``study.REPORT``'s ``tables`` and ``figures``):
+a table builder ``Layout -> list[Table]`` and a figure builder ``(Layout, folder, prefix) -> paths``, drawn where
+runs logged the metrics below. HaFedHo names its estimate ``h`` (``Diagnostics.name``), so the simulator's
+``[diagnostics]`` pass logs ``diag/h_cos``, ``diag/h_rel_err``, ... (``hafedho.sim.fullgrad``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+from matplotlib import pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from hafedho.report.layout import Layout
+from hafedho.report.plots import band, finish, row_colors
 from hafedho.report.table import Cell, Table
 
-METRIC = "diag/h_rel_err"
+# HaFedHo's diagnostic metrics: the pass's generic names with HaFedHo's estimate name, h
+METRIC = "diag/h_rel_err"  # ||h / s - T|| / ||T||, after the steady-state scale s
+COS = "diag/h_cos"  # cos(h, T)
+SS = "diag/h_ss_rel_err"  # ||h - h^*|| / ||h^*||
+DEF1 = "diag/h_def1_abs_err"  # ||mu_t h - T||, Definition 1
+FRESH_COS = "diag/fresh_cos"  # round t's fresh aggregate (the h of round t+1) against T
+CURVES = ((COS, "cos(h, target)"), (METRIC, "relative error of h / s"))
 
 
 def _early_late(evals: list[tuple[int, float]]) -> tuple[float, float]:
@@ -42,7 +56,7 @@ def diagnostics_table(lay: Layout) -> list[Table]:
             if not runs:
                 continue
             e0, e1, verdict = _verdict([_early_late(run.evals(METRIC)) for run in runs], against_zero=True)
-            cos = [_early_late(run.evals("diag/h_cos")) for run in runs]
+            cos = [_early_late(run.evals(COS)) for run in runs]
             c0, c1 = _pm([c for c, _ in cos])[0], _pm([late for _, late in cos])[0]
             rows.append([Cell(lay.row_name(r)), Cell(lay.col_name(col)), Cell(str(len(runs))), Cell(e0), Cell(e1)])
             rows[-1] += [Cell(c0), Cell(c1), Cell(verdict)]
@@ -79,14 +93,14 @@ def _pairings(lay: Layout) -> list[Table]:
     for col in lay.columns:
         for r in lay.rows:
             g = lay.group_at(r, col)
-            runs = [run for run in (g.finished() if g else []) if run.evals("diag/h_ss_rel_err")]
+            runs = [run for run in (g.finished() if g else []) if run.evals(SS)]
             if not runs:
                 continue
             cells = [lay.row_name(r), lay.col_name(col), str(len(runs))]
-            cells += _verdict([_early_late(run.evals("diag/h_ss_rel_err")) for run in runs])
-            cells += _verdict([_early_late(run.evals("diag/h_def1_abs_err")) for run in runs])[:2]
-            cos = [_early_late(run.evals("diag/h_cos")) for run in runs]
-            fresh = [_early_late(run.evals("diag/fresh_cos")) for run in runs if run.evals("diag/fresh_cos")]
+            cells += _verdict([_early_late(run.evals(SS)) for run in runs])
+            cells += _verdict([_early_late(run.evals(DEF1)) for run in runs])[:2]
+            cos = [_early_late(run.evals(COS)) for run in runs]
+            fresh = [_early_late(run.evals(FRESH_COS)) for run in runs if run.evals(FRESH_COS)]
             cells.append(_pm([c for _, c in cos])[0])
             cells += [_pm([c for c, _ in fresh])[0], _pm([c for _, c in fresh])[0]] if fresh else ["", ""]
             rows.append([Cell(c) for c in cells])
@@ -100,3 +114,30 @@ def _pairings(lay: Layout) -> list[Table]:
         "beside the mu = 0 control row, whose h is FedAvg's own aggregate: only the difference is HaFedHo's."
     )
     return [Table("diagnostics_pairings", f"Both pairings and Definition 1: {lay.section.title}", header, rows, note)]
+
+
+def diagnostic_figure(lay: Layout, out_dir: Path, prefix: str) -> list[Path]:
+    """Theorem 1 measured: cos(h, target) (top) and the relative error after the steady-state scale (bottom) per
+    diagnostic round, one panel per setting, one line per row (mean over finished seeds, ±1 std band; rows whose
+    every seed diverged dashed up to the divergence). See docs/algorithms.md, "Theorem 1 measured"."""
+    if not lay.rows or not any(COS in row for g in lay.section.groups for r in g.runs for row in r.rows):
+        return []
+    cols = len(lay.columns)
+    fig, grid = plt.subplots(2, cols, figsize=(4.2 * cols, 6.4 + 0.8), dpi=110, squeeze=False)
+    colors = row_colors(lay.rows)
+    axes = []
+    for i, (metric, label) in enumerate(CURVES):
+        for ax, col in zip(grid[i], lay.columns, strict=True):
+            for r in lay.rows:
+                g = lay.group_at(r, col)
+                if g is None:
+                    continue
+                band(ax, lay, r, g, metric, colors[r], scale=0.01, marker=".", ms=3)  # band's curves are percent
+            if i == 0:
+                ax.set_title(lay.col_name(col) if lay.col_keys else lay.section.title, fontsize=9)
+            ax.set_ylabel(label, fontsize=8)
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            axes.append(ax)
+    out = finish(fig, axes, Path(out_dir) / f"{prefix}diagnostics.png", CURVES[0][1])
+    return [out] if out is not None else []

@@ -1,7 +1,7 @@
 """HaFedHo's momentum twin: a derived row (``[[variants]]`` with ``of`` and ``derive``, ``hafedho.sweep.expand``).
 
 The derivation is docs/algorithms.md, "HaFedHo's momentum twin". A preset names it as
-``derive = "hafedho.paper.twin:momentum_twin"``; how the report reads the twin's row is ``TWIN`` (``study.py``).
+``derive = "hafedho_paper.twin:momentum_twin"``; how the report reads the twin's row is ``TWIN`` (``study.py``).
 """
 
 from __future__ import annotations
