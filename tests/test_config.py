@@ -140,3 +140,16 @@ def test_bad_toml_file(tmp_path: Path) -> None:
         load_config(p)
     with pytest.raises(ConfigError, match=r"config file not found"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_dump_toml_quotes_keys_that_are_not_bare() -> None:
+    """A user algorithm's table (``[algorithm."my_pkg.mod:Alg"]``) is written as a quoted key: unquoted, its dots
+    would read back as nested tables and its colon is no TOML at all."""
+    import tomllib
+
+    from hafedho.toml_io import dump_toml
+
+    d = {"seed": 1, "algorithm": {"name": "my_pkg.mod:Alg", "my_pkg.mod:Alg": {"beta": 0.5}, "fedavg": {"x-y": 1}}}
+    text = dump_toml(d)
+    assert '[algorithm."my_pkg.mod:Alg"]' in text and "[algorithm.fedavg]\nx-y = 1" in text
+    assert tomllib.loads(text) == d

@@ -16,7 +16,7 @@ from hafedho.cli import main
 from hafedho.config import ConfigError
 from hafedho.report.build import write_report
 from hafedho.report.layout import Layout, pct
-from hafedho.report.plots import derived_points
+from hafedho.report.plots import derived_points, figure_name
 from hafedho.report.runs import load_sections
 from hafedho.report.stats import Stat, final_value, rounds_to
 from hafedho.report.summary import summary_rows
@@ -654,3 +654,25 @@ def test_hyperparameters_read_defaults_as_values() -> None:
     hyper = hyperparameters({"algorithm": {"name": "fedavgm", "lr": 0.05, "fedavgm": {"beta": 0.5}}})
     assert hyper["beta"] == 0.5 and hyper["lr"] == 0.05 and hyper["nesterov"] is False and hyper["server_lr"] == 1.0
     assert hyperparameters({"algorithm": {"name": "no-such-algorithm"}}) == {}
+
+
+def test_a_reference_labels_figure_is_a_plain_file_and_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user algorithm's row (label ``mymod:MyAlg``) split by a hyperparameter: its figure's file name and its link
+    in results.md hold no ':' (which a Markdown viewer reads as a URL scheme), as run directories do."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "mymod.py").write_text(
+        "from dataclasses import dataclass\nfrom hafedho.algorithms import FedAvg\nfrom hafedho.core import hp\n\n\n"
+        "@dataclass(frozen=True, kw_only=True)\nclass MyAlg(FedAvg):\n    name = 'myalg'\n"
+        "    beta: float = hp(0.0, 'a knob')\n"
+    )
+    monkeypatch.syspath_prepend(str(mods))
+    for i, beta in enumerate((0.1, 0.5)):
+        for s in (0, 1):
+            d = make_run(tmp_path / "runs", f"u-{i}-s{s}", "mymod:MyAlg", s, [0.2, 0.3 + beta])
+            cfg = d / "config.toml"  # a resolved config holds a user algorithm's settings in [algorithm]
+            cfg.write_text(cfg.read_text().replace("lr = 0.05", f"lr = 0.05\nbeta = {beta}"))
+    files = write_report(tmp_path / "runs", tmp_path / "rep")
+    assert "mymod.MyAlg_vs_beta.png" in [f.name for f in files.figures]
+    assert "![mymod.MyAlg_vs_beta](mymod.MyAlg_vs_beta.png)" in files.text
+    assert figure_name("a:b/c d-e_f.g") == "a.b_c_d-e_f.g"

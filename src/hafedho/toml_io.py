@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -58,14 +59,21 @@ def dump_toml(d: dict[str, Any]) -> str:
         if isinstance(v, dict):
             tables.append((k, v))
         else:
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{_key(k)} = {_toml_value(v)}")
     out = "\n".join(lines)
     for name, t in tables:
         inner = {k: v for k, v in t.items() if not isinstance(v, dict)}
-        out += f"\n\n[{name}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in inner.items())
+        out += f"\n\n[{_key(name)}]\n" + "\n".join(f"{_key(k)} = {_toml_value(v)}" for k, v in inner.items())
         for sub, st in ((k, v) for k, v in t.items() if isinstance(v, dict)):
-            out += f"\n\n[{name}.{sub}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in st.items())
+            out += f"\n\n[{_key(name)}.{_key(sub)}]\n"
+            out += "\n".join(f"{_key(k)} = {_toml_value(v)}" for k, v in st.items())
     return out.strip() + "\n"
+
+
+def _key(k: str) -> str:
+    """A key as TOML writes it: bare when it may be (letters, digits, ``_``, ``-``), else quoted (a user algorithm's
+    table, ``[algorithm."my_pkg.mod:Alg"]``, whose dots would otherwise read as nested tables)."""
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
 def _toml_value(v: Any) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.ticker import MaxNLocator
 
 from hafedho.config import Config, ConfigError, flatten
-from hafedho.core.refs import import_reference
+from hafedho.core.refs import file_name, import_reference
 from hafedho.report.layout import Layout, display
 from hafedho.report.runs import Run
 from hafedho.report.stats import accuracy_stat
@@ -258,9 +258,10 @@ def _config_value(config: dict[str, Any], key: str) -> float:
 
 
 def figure_name(text: str) -> str:
-    """A row label or key as part of a file name: letters, digits, ``.``, ``_`` and ``-`` kept, anything else
-    (a reference's ``:``, a ``/``, a space) as ``_``, so a figure's file and its link in results.md are plain."""
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+    """A row label or key as part of a file name: a reference's ``:`` as ``.`` (``core.refs.file_name``, as run
+    directories are named), other characters than letters, digits, ``.``, ``_`` and ``-`` (a ``/``, a space) as
+    ``_``, so a figure's file and its link in results.md are plain."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in file_name(text))
 
 
 def _curves(lay: Layout, out_dir: Path, prefix: str) -> list[Path]:
