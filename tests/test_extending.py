@@ -38,8 +38,9 @@ BLOBS = "examples.server_adam.blobs:load"
 
 @pytest.fixture(autouse=True)
 def at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tutorial runs from the repository root; registrations made by a test are undone after it."""
-    monkeypatch.chdir(REPO)
+    """The tutorial's folder on ``sys.path``, as ``PYTHONPATH=.`` from the repository root puts it (hafedho never
+    searches the working directory); registrations made by a test are undone after it."""
+    monkeypatch.syspath_prepend(str(REPO))
     saved = [(r, dict(r)) for r in (REGISTRY, MODELS, SOURCES)]
     yield
     for registry, before in saved:
@@ -47,8 +48,11 @@ def at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
         registry.update(before)
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+def env(*, tutorial: bool = True) -> dict[str, str]:
+    """A child's environment: the library, and (``tutorial``) the repository root on ``PYTHONPATH``, as the tutorial
+    tells a user to put the folder holding ``examples/``."""
+    path = os.pathsep.join([str(REPO / "src"), *([str(REPO)] if tutorial else [])])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0"}
 
 
 # ------------------------------------------------------------------------------------ FedAdam's server step
@@ -123,7 +127,7 @@ def test_fedadam_paper_defaults() -> None:
 
 def test_the_tutorial_runs_from_the_command_line_and_from_python(tmp_path: Path) -> None:
     """`hafedho run smoke algorithm.name=examples.server_adam.fedadam:FedAdam` as a command (``python -P``: like
-    the installed ``hafedho`` script, the working directory is not on sys.path, the reference finds it anyway),
+    the installed ``hafedho`` script, the working directory is not on sys.path; the tutorial's PYTHONPATH is),
     then one round of it through ``hafedho.run``: one run directory name, identical metrics; and round 1's server
     update in the run's checkpoint is Adam's step computed by hand from the checkpoint's first moment."""
     cmd = [sys.executable, "-P", "-m", "hafedho", "run", "smoke", f"algorithm.name={FEDADAM}", "--quiet"]

@@ -8,8 +8,12 @@ poll every 3 s and start one ClientApp process per message), hence the small pro
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +41,11 @@ from hafedho.experiment import build
 from hafedho.flower import codec, deploy
 from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import RUN_CONFIG_DEFAULTS, config_path, experiment
+from hafedho.flower.procs import descendants
+from hafedho.flower.server_app import main as server_main
 from hafedho.flower.strategy import HafedhoStrategy
-from hafedho.runfiles import RunBusy, RunLock, read_metrics
+from hafedho.runfiles import RunBusy, RunDirError, RunLock, read_metrics
+from hafedho.sim.runner import Interrupted
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
 # 3 clients, 2 per round: round 1 = {1, 2}, round 2 = {0, 2}; client 2 carries its state from round 1 into 2.
@@ -187,6 +194,112 @@ def test_a_flower_run_takes_the_run_lock(tmp_path: Path) -> None:
     first.finish()
     with RunLock(tmp_path / "flower") as held:
         assert held
+
+
+def partial_run(alg: str, run_dir: Path, *overrides: str) -> tuple[HafedhoStrategy, LocalGrid, str | None]:
+    """A ServerApp that ran its rounds and then died before ``finish`` (no ``done``): the strategy, the grid (its
+    nodes keep their client states, as SuperNodes that kept running do) and its "interrupted" line."""
+    rc = {"hafedho-config": "smoke", "overrides": " ".join([f"algorithm.name={alg}", *overrides])}
+    strategy = HafedhoStrategy(experiment(rc), run_dir, node_wait=0.0)
+    strategy.prepare()
+    grid = LocalGrid(rc, strategy.fed.num_clients)
+    strategy.start(
+        grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, evaluate_fn=strategy.evaluate_global
+    )
+    return strategy, grid, strategy.interrupted()
+
+
+def test_a_resumed_server_app_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """SCAFFOLD (client state on the nodes): a ServerApp dies after round 2, having also logged a row of round 3
+    that no checkpoint covers; a new one with resume (rounds=4) drops that row, restores the server state of
+    round 2 and runs rounds 3-4 with the same nodes: rows and final model = the uninterrupted 4-round run's."""
+    common = ("checkpoint_every=1",)
+    full = run_local("scaffold", tmp_path / "full", "rounds=4", *common)
+    run_dir = tmp_path / "flower"
+    _, grid, line = partial_run("scaffold", run_dir, "rounds=2", *common)
+    assert line == f"{run_dir}: interrupted at round 2; continue with --resume (it continues after round 2)"
+    assert not (run_dir / "done").exists()
+    stray = {**read_metrics(run_dir)[-1], "round": 3}  # a row written after the last checkpoint
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(stray) + "\n")
+    rc = {"hafedho-config": "smoke", "overrides": " ".join(["algorithm.name=scaffold", "rounds=4", *common])}
+    resumed = HafedhoStrategy(experiment(rc), run_dir, node_wait=0.0)
+    resumed.prepare(resume=True)
+    assert resumed.first_round == 3 and [r["round"] for r in read_metrics(run_dir)] == [1, 2]
+    resumed.start(grid, resumed.initial_arrays(), num_rounds=4, evaluate_fn=resumed.evaluate_global)
+    resumed.finish()
+    assert [r["round"] for r in resumed.rows] == [3, 4]
+    assert no_wall(read_metrics(run_dir)) == no_wall(read_metrics(tmp_path / "full" / "flower"))
+    assert max_abs_diff(full.final_params(), resumed.final_params()) == 0.0
+    assert (run_dir / "done").exists()
+    again = HafedhoStrategy(experiment(rc), run_dir, node_wait=0.0)  # finished: nothing to do, nothing written
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    again.prepare(resume=True)
+    assert again.first_round == 5
+    again.start(grid, again.initial_arrays(), num_rounds=4, evaluate_fn=again.evaluate_global)
+    again.finish()
+    assert (run_dir / "metrics.jsonl").read_bytes() == before and not again.rows
+
+
+class InterruptedGrid(LocalGrid):
+    """A LocalGrid whose ServerApp gets Ctrl-C when it sends round ``at``'s train messages."""
+
+    def __init__(self, run_config: dict[str, Any], num_nodes: int, at: int) -> None:
+        super().__init__(run_config, num_nodes)
+        self.at = at
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        if any(m.metadata.message_type == MessageType.TRAIN and m.metadata.group_id == str(self.at) for m in messages):
+            raise KeyboardInterrupt
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_server_app_interrupted_then_resumed(tmp_path: Path) -> None:
+    """The ServerApp's ``main``: Ctrl-C in round 3 of 4 ends with the simulator's line (nothing else lost, the
+    lock released); ``resume = true`` continues from round 3, and the run equals the uninterrupted one."""
+    run_dir = tmp_path / "flower"
+    rc = {
+        "hafedho-config": "smoke",
+        "overrides": "algorithm.name=fedavg rounds=4 checkpoint_every=1",
+        "run-dir": str(run_dir),
+        "node-wait": 0.0,
+    }
+    n = experiment(rc).fed.num_clients
+    line = r"interrupted at round 2; continue with --resume \(it continues after round 2\)"
+    with pytest.raises(Interrupted, match=line):
+        server_main(InterruptedGrid(rc, n, at=3), Context(1, 0, {}, RecordDict(), rc))
+    assert [r["round"] for r in read_metrics(run_dir)] == [1, 2] and not (run_dir / "done").exists()
+    with RunLock(run_dir) as held:
+        assert held
+    server_main(LocalGrid(rc, n), Context(2, 0, {}, RecordDict(), {**rc, "resume": True}))
+    assert (run_dir / "done").exists()
+    full = run_local("fedavg", tmp_path / "full", "rounds=4", "checkpoint_every=1")
+    assert no_wall(read_metrics(run_dir)) == no_wall(full.rows)
+    exp = experiment(rc)
+    assert max_abs_diff(flower_final(run_dir, exp), full.final_params()) == 0.0
+
+
+def test_resume_refuses_another_experiment_and_plain_runs_refuse_an_existing_directory(tmp_path: Path) -> None:
+    """--resume into a directory of another seed: one line naming the key, nothing changed, the lock released;
+    without --resume an existing run directory is refused as `hafedho run` refuses it."""
+    run_dir = tmp_path / "flower"
+    partial_run("fedavg", run_dir, "rounds=2", "checkpoint_every=1")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    other = {"hafedho-config": "smoke", "overrides": "algorithm.name=fedavg rounds=4 seed=1"}
+    with pytest.raises(RunDirError, match=r"holds another experiment \(differs in: seed\); use another directory") as e:
+        HafedhoStrategy(experiment(other), run_dir, node_wait=0.0).prepare(resume=True)
+    assert "\n" not in str(e.value)
+    same = {"hafedho-config": "smoke", "overrides": "algorithm.name=fedavg rounds=4"}
+    with pytest.raises(RunDirError, match=r"holds an interrupted run; pass --resume to continue it or --force"):
+        HafedhoStrategy(experiment(same), run_dir, node_wait=0.0).prepare()
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    with RunLock(run_dir) as held:  # each refusal released the run's lock
+        assert held
+    from hafedho.cli import parser
+
+    args = parser().parse_args(["flower", "run", "--superlink", "127.0.0.1:1", "--resume"])
+    assert args.resume is True and RUN_CONFIG_DEFAULTS["resume"] is False
 
 
 def test_flower_run_directory_is_named_by_the_experiment(tmp_path: Path) -> None:
@@ -353,6 +466,41 @@ def test_supernode_killed_during_a_round(tmp_path: Path, deployments) -> None:
     ref, final = simulate_with_drops(exp, drops), flower_final(run_dir, exp)
     print(f"killed node: deployed vs reference max |diff| = {max_abs_diff(ref, final):.3g}; dropped {drops}")
     assert_fp32_close(final, ref, exp)
+
+
+@pytest.mark.slow
+def test_server_app_killed_and_resumed(tmp_path: Path, deployments) -> None:
+    """Kill -9 the ServerApp during round 3 of 6; `resume` into the same run directory continues from its last
+    checkpoint: rounds 1-6 once each, and the rows and final model are the simulator's (which an uninterrupted
+    deployment equals). FedAvg has no client state, so the fresh client states of the new Flower run (each run
+    submitted by `flwr run` is a new run series on the SuperNodes) do not matter."""
+    d = deployments()
+    start_federation(d, 3)
+    run_dir = tmp_path / "flower"
+    overrides = ("data.num_clients=3", "sampling.cohort_size=2", "rounds=6", "checkpoint_every=1")
+    settings = {"round-timeout": 120.0, "node-wait": 30.0}
+    first, end = d.run(EXAMPLE, run_config("fedavg", run_dir, *overrides, **settings)), time.monotonic() + 400
+    while len(read_metrics(run_dir)) < 2:  # round 2 is logged: round 3 runs
+        assert time.monotonic() < end and d.superlink.alive(), d.log(first)[-4000:]
+        time.sleep(0.2)
+    time.sleep(1.0)
+    servers = [
+        pid for pid, _ in descendants(d.superlink.pid) if b"flwr-serverapp" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert servers, d.superlink.children()
+    for pid in servers:
+        os.kill(pid, signal.SIGKILL)
+    assert len(read_metrics(run_dir)) < 6 and not (run_dir / "done").exists()
+    second = d.run(EXAMPLE, run_config("fedavg", run_dir, *overrides, **settings, resume=True))
+    finish(d, second)
+    assert "resuming" in d.log(second)
+    rows = read_metrics(run_dir)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6] and (run_dir / "done").exists()
+    exp, ref, sim_dir = simulate("fedavg", tmp_path / "sim", *overrides)
+    final = flower_final(run_dir, exp)
+    print(f"resumed deployment vs simulator max |diff| = {max_abs_diff(ref, final):.3g}")
+    assert_fp32_close(final, ref, exp)
+    assert rows_close(rows, read_metrics(sim_dir))
 
 
 def test_simulation_engine_runs_the_same_app(tmp_path: Path, deployments, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from helpers import no_wall, run_smoke
 from test_rundir import one_error_line, run_in, snapshot
 
 from hafedho.cli import main
 from hafedho.config import ConfigError, load_config
-from hafedho.runfiles import RunLock
+from hafedho.runfiles import RunDirError, RunLock
+from hafedho.runtime.store import ClientStore
 
 USER = '''
 import random
@@ -391,3 +393,264 @@ def test_an_existing_run_says_an_interrupted_run(tmp_path: Path, capsys: pytest.
     capsys.readouterr()
     assert run_smoke(tmp_path) == 2
     one_error_line(capsys.readouterr().err, "holds an interrupted run; pass --resume")
+
+
+# ----------------------------------------------------------------------------- 11. nothing written through a link
+
+
+def outside_file(tmp_path: Path) -> Path:
+    """A file outside every run and report folder, that no command may change."""
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"precious: not a lock, not a row\n")
+    return precious
+
+
+def interrupted(out: Path, *args: str) -> Path:
+    """A finished smoke run (3 rounds) with its done marker removed: ``--resume rounds=4`` continues it."""
+    assert run_smoke(out, "rounds=3", *args) == 0
+    run = run_in(out)
+    (run / "done").unlink()
+    return run
+
+
+def test_a_lock_file_that_is_a_link_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, precious = tmp_path / "out", outside_file(tmp_path)
+    run = interrupted(out)
+    lock = out / ".locks" / f"{run.name}.lock"
+    lock.unlink()
+    lock.symlink_to(precious)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert run_smoke(out, "--resume", "rounds=4") == 2
+    one_error_line(capsys.readouterr().err, f"{lock} is a symbolic link, not a lock file; nothing is written through")
+    assert precious.read_bytes() == b"precious: not a lock, not a row\n" and snapshot(run) == before
+
+
+def test_a_locks_folder_that_is_a_link_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    run = interrupted(out)
+    elsewhere.mkdir()
+    (out / ".locks" / f"{run.name}.lock").rename(elsewhere / f"{run.name}.lock")
+    (out / ".locks").rmdir()
+    (out / ".locks").symlink_to(elsewhere)
+    before, theirs = snapshot(run), (elsewhere / f"{run.name}.lock").read_bytes()
+    capsys.readouterr()
+    assert run_smoke(out, "--resume", "rounds=4") == 2
+    one_error_line(capsys.readouterr().err, f"{out / '.locks'} is a symbolic link, not the run lock folder; nothing is")
+    assert snapshot(run) == before and (elsewhere / f"{run.name}.lock").read_bytes() == theirs
+
+
+def test_metrics_that_are_a_link_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, precious = tmp_path / "out", tmp_path / "rows.jsonl"
+    run = interrupted(out)
+    (run / "metrics.jsonl").rename(precious)
+    (run / "metrics.jsonl").symlink_to(precious)
+    before, rows = snapshot(run), precious.read_bytes()
+    capsys.readouterr()
+    assert run_smoke(out, "--resume", "rounds=4") == 2
+    one_error_line(capsys.readouterr().err, "metrics.jsonl is a symbolic link")
+    assert precious.read_bytes() == rows and snapshot(run) == before
+
+
+@pytest.mark.parametrize("name", ["checkpoint.pt", "env.json", "store/delta_r3.pt", "client_store/leaf0.npy"])
+def test_a_run_file_that_is_a_link_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """Resume refuses a run whose files are links (even those it only reads, or replaces atomically), before
+    anything is written: the link's target is untouched and so is the run."""
+    out, precious = tmp_path / "out", outside_file(tmp_path)
+    run = interrupted(out, "client_store=disk")
+    (run / name).unlink()
+    (run / name).symlink_to(precious)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert run_smoke(out, "--resume", "rounds=4", "client_store=disk") == 2
+    one_error_line(capsys.readouterr().err, f"{run / name} is a symbolic link, not a file of this run; nothing is")
+    assert precious.read_bytes() == b"precious: not a lock, not a row\n" and snapshot(run) == before
+
+
+def test_an_atomic_write_replaces_a_link_never_its_target(tmp_path: Path) -> None:
+    """An atomic write (a fresh temporary file, then a rename) onto a link replaces the link by the new file: the
+    rename replaces the link itself, so the file it pointed to is untouched."""
+    from hafedho.runfiles import write_json
+
+    precious = outside_file(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "x.json").symlink_to(precious)
+    write_json(tmp_path / "run" / "x.json", {"a": 1})
+    assert not (tmp_path / "run" / "x.json").is_symlink() and json.loads((tmp_path / "run" / "x.json").read_text())
+    assert precious.read_bytes() == b"precious: not a lock, not a row\n"
+
+
+def test_the_atomic_writes_temporary_file_is_never_a_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hafedho import runfiles
+
+    precious = outside_file(tmp_path)
+    monkeypatch.setattr(runfiles.secrets, "token_hex", lambda n: "fixed")
+    target = tmp_path / "run" / "x.json"
+    target.parent.mkdir()
+    (target.parent / f".x.json.{os.getpid()}.fixed.tmp").symlink_to(precious)
+    with pytest.raises(OSError):
+        runfiles.write_json(target, {"a": 1})
+    assert precious.read_bytes() == b"precious: not a lock, not a row\n" and not target.exists()
+
+
+def test_a_client_store_file_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    out, precious = tmp_path / "out", outside_file(tmp_path)
+    run = interrupted(out, "client_store=disk")
+    leaf = run / "client_store" / "leaf0.npy"
+    leaf.unlink()
+    leaf.symlink_to(precious)
+    with pytest.raises(
+        RunDirError, match=r"leaf0\.npy is a symbolic link, not a client-store file; nothing is written"
+    ):
+        ClientStore([torch.zeros(3)], 10, run / "client_store")
+    assert precious.read_bytes() == b"precious: not a lock, not a row\n"
+
+
+@pytest.mark.parametrize("name", ["results.md", "status.csv", "accuracy.png", "report.html"])
+def test_a_report_never_writes_through_a_link(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    precious, rep = outside_file(tmp_path), tmp_path / "rep"
+    assert run_smoke(tmp_path / "runs") == 0
+    rep.mkdir()
+    (rep / name).symlink_to(precious)
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "runs"), "--out", str(rep)]) == 2
+    one_error_line(
+        capsys.readouterr().err, f"{rep / name} is a symbolic link; the report writes no file through one: remove it"
+    )
+    assert precious.read_bytes() == b"precious: not a lock, not a row\n" and [p.name for p in rep.iterdir()] == [name]
+
+
+# ----------------------------------------------------------------------------- 12. checkpoints checked field by field
+
+
+def _edit(payload: dict[str, Any], what: str) -> None:
+    """Damage one field of a checkpoint's payload (a 3-round smoke run of 10 clients)."""
+    if what.startswith("round"):
+        payload["round"] = int(what.split()[1])
+    elif what == "shape":
+        payload["server"][0] = torch.zeros(*payload["server"][0].shape, 2, dtype=payload["server"][0].dtype)
+    elif what == "dtype":
+        payload["server"][0] = payload["server"][0].double()
+    elif what == "5 clients":
+        payload["extra"]["store_clients"] = 5
+    elif what == "5 rows inline":  # a checkpoint from before the journal: the whole store inline
+        del payload["extra"]["store_journal"]
+        payload["store"] = [t.unsqueeze(0).expand(5, *t.shape).clone() for t in payload["store_template"]]
+    elif what.startswith("wall"):
+        payload["extra"]["wall_s"] = float(what.split()[1])
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("round -1", "corrupt checkpoint (round -1)"),
+        ("round 0", "corrupt checkpoint (round 0)"),
+        ("round 5", "checkpoint.pt is of round 5 but metrics.jsonl lacks 2 rounds (4-5)"),
+        ("shape", "server tensor 0 is torch.float32(10, 64, 2), this run's is torch.float32(10, 64)"),
+        ("dtype", "server tensor 0 is torch.float64(10, 64), this run's is torch.float32(10, 64)"),
+        ("5 clients", "its client store holds 5 clients, this run has 10"),
+        ("5 rows inline", "checkpoint client state has shape (5, 10, 64), expected (10, 10, 64)"),
+        ("wall nan", "corrupt checkpoint (wall_s nan)"),
+        ("wall -1", "corrupt checkpoint (wall_s -1.0)"),
+    ],
+)
+def test_a_damaged_checkpoint_is_one_line_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str, message: str
+) -> None:
+    out = tmp_path / "out"
+    assert run_smoke(out, "rounds=3") == 0  # done: a resume to 4 rounds extends it from the checkpoint
+    ckpt = run_in(out) / "checkpoint.pt"
+    payload = torch.load(ckpt, weights_only=True)
+    _edit(payload, what)
+    torch.save(payload, ckpt)
+    before = snapshot(run_in(out))
+    capsys.readouterr()
+    assert run_smoke(out, "rounds=4", "--resume") == 2
+    one_error_line(capsys.readouterr().err, message)
+    assert snapshot(run_in(out)) == before  # metrics.jsonl, done and every other file: same bytes, same time
+
+
+def test_a_checkpoint_of_another_seed_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert run_smoke(out, "rounds=3", "seed=1") == 0
+    (seed1,) = [p for p in out.iterdir() if p.name.endswith("-s1")]
+    assert run_smoke(out, "rounds=3", "seed=0") == 0
+    seed0 = seed1.with_name(seed1.name.removesuffix("-s1") + "-s0")
+    (seed0 / "checkpoint.pt").write_bytes((seed1 / "checkpoint.pt").read_bytes())
+    before = snapshot(seed0)
+    capsys.readouterr()
+    assert run_smoke(out, "rounds=4", "seed=0", "--resume") == 2
+    experiment = seed1.name.split("-")[-2]
+    one_error_line(
+        capsys.readouterr().err,
+        f"written by another run (experiment {experiment}, seed 1), not by this one (experiment {experiment}, seed 0)",
+    )
+    assert snapshot(seed0) == before
+
+
+def test_a_checkpoint_without_identity_still_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run_smoke(out, "rounds=3") == 0
+    ckpt = run_in(out) / "checkpoint.pt"
+    payload = torch.load(ckpt, weights_only=True)
+    assert payload["extra"].pop("identity") == {"experiment": run_in(out).name.split("-")[-2], "seed": 0}
+    torch.save(payload, ckpt)
+    assert run_smoke(out, "rounds=4", "--resume") == 0
+    assert [r["round"] for r in map(json.loads, (run_in(out) / "metrics.jsonl").read_text().splitlines())] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+
+
+# ----------------------------------------------------------------------------- 13. the report's output folder
+
+
+@pytest.mark.parametrize("inside", ["", "tables"])
+def test_a_report_into_a_run_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], inside: str
+) -> None:
+    runs = tmp_path / "runs"
+    assert run_smoke(runs) == 0
+    run = run_in(runs)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["report", str(runs), "--out", str(run / inside)]) == 2
+    where = "is a run directory" if not inside else f"lies inside {run}, which is a run directory"
+    one_error_line(capsys.readouterr().err, f"report folder {run / inside} {where}; a report never writes into one")
+    assert snapshot(run) == before and not (run / "tables").exists()
+    assert main(["report", str(run)]) == 2  # by default into RUNS_DIR: here the run itself
+    one_error_line(capsys.readouterr().err, "is a run directory; a report never writes into one: pass --out")
+    assert snapshot(run) == before
+    assert run_smoke(runs, "--force") == 0  # the run can still be replaced
+
+
+def test_a_run_with_a_bad_line_is_left_out_not_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One damaged run is named (status table, stderr) and left out; the others are reported, exit 0 (README)."""
+    runs, rep = tmp_path / "runs", tmp_path / "rep"
+    for seed in (0, 1, 2):
+        assert run_smoke(runs, f"seed={seed}", "rounds=3") == 0
+    (bad,) = [p for p in runs.iterdir() if p.name.endswith("-s1")]
+    lines = (bad / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (bad / "metrics.jsonl").write_text("".join([lines[0], "garbage, not a row\n", *lines[2:]]))
+    capsys.readouterr()
+    assert main(["report", str(runs), "--out", str(rep)]) == 0
+    err = capsys.readouterr().err
+    assert f"hafedho: warning: left out {bad.name}: {bad.name}/metrics.jsonl: line 2 is not valid JSON" in err
+    md = (rep / "results.md").read_text()
+    assert "| left out (bad metrics.jsonl) | 1 |" in md and "| done | 2 |" in md
+    assert f"{bad.name}: left out: {bad.name}/metrics.jsonl: line 2 is not valid JSON" in md
+    assert str(tmp_path) not in md
+
+
+def test_an_append_never_follows_a_link(tmp_path: Path) -> None:
+    """The second line of defence behind the resume's check: appending a row to a linked metrics.jsonl is refused."""
+    from hafedho.runfiles import append_metrics
+
+    precious = outside_file(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(precious)
+    with pytest.raises(RunDirError, match=r"metrics\.jsonl is a symbolic link, not the run's metrics; nothing is"):
+        append_metrics(tmp_path / "run", {"round": 1})
+    assert precious.read_bytes() == b"precious: not a lock, not a row\n"

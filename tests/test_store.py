@@ -311,9 +311,10 @@ class FlagProbe(nn.Module):
 @pytest.mark.parametrize(("policy", "flags"), [("fp32", (False, False)), ("tf32", (True, True))])
 def test_precision_sets_the_flags_for_the_run_and_restores_them(tmp_path: Path, policy: str, flags: tuple) -> None:
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    FlagProbe.seen = set()
     cfg = smoke_config(tmp_path, f"precision={policy}", "rounds=1")
-    run(build(cfg, module=FlagProbe), tmp_path / "r", progress=False)
+    exp = build(cfg, module=FlagProbe)
+    FlagProbe.seen = set()  # the run's forwards, not build's check of the model's output (before any precision)
+    run(exp, tmp_path / "r", progress=False)
     assert FlagProbe.seen == {flags}  # every forward: steps, evaluation, the start-loss guard
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
     assert json.loads((tmp_path / "r" / "run.json").read_text())["precision"] == policy

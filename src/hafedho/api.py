@@ -84,6 +84,10 @@ def run(
 
     table = _table(config)
     for text in overrides:
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"run(..., {text!r:.40}): an override is a string 'key=value', e.g. 'rounds=5', or a keyword: rounds=5"
+            )
         table = deep_merge(table, parse_override(text))
     table = deep_merge(table, dict(settings))
     if out is not None:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:  # Ray is optional: the backend's module is imported only for 
     from hafedho.sweep.expand import RunSpec
     from hafedho.sweep.ray_backend import RayBackend
 
+MAX_SEEDS = 10_000  # --seeds above this is a typo (a sweep of 10,000 seeds per cell is already days of runs)
+
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hafedho.api import run
@@ -39,8 +41,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from hafedho.report.build import write_report
     from hafedho.runfiles import run_state
 
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds {args.seeds}: need at least 1")
+    if not 1 <= args.seeds <= MAX_SEEDS:
+        raise ConfigError(f"--seeds {args.seeds}: give 1 to {MAX_SEEDS:,}")
     out = Path(args.out)
     for alg in ("hafedho", "fedavg"):
         for seed in range(args.seeds):
@@ -60,9 +62,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from hafedho.core.refs import trusting
     from hafedho.report.build import write_report
 
-    files = write_report(args.runs_dir, args.out, metric=args.metric, last=args.last)
+    with trusting(args.runs_dir, args.allow_code) as refused:  # a results folder's references: plugins' or allowed
+        files = write_report(args.runs_dir, args.out, metric=args.metric, last=args.last)
+    for line in dict.fromkeys(refused):  # refused, and read without (a run's algorithm defaults): say so
+        print(f"hafedho: note: {line}", file=sys.stderr)
+    for name, why in files.left_out.items():  # named in the status table too; the other runs are reported
+        print(f"hafedho: warning: left out {name}: {why}", file=sys.stderr)
     print(files.text)
     print(f"tables:  {files.markdown} (+ {len(files.tables)} .csv/.tex)\nfigures: {len(files.figures)} PNG")
     print(f"page:    {files.html}")
@@ -97,6 +105,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: runs in parallel must be at least 1 (default 1)")
+    if args.seeds is not None and args.seeds > MAX_SEEDS:  # a typo: expanding a billion runs takes minutes in silence
+        raise ConfigError(f"--seeds {args.seeds}: at most {MAX_SEEDS:,} seeds per sweep; give a smaller count")
     preset = load_preset(args.preset, args.scale)
     specs = expand(preset, args.seeds, args.overrides, args.out)
     skip = _skip_rows(args.skip_rows, specs)
@@ -207,6 +217,14 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="where to write (default: RUNS_DIR)")
     rep.add_argument("--metric", help="metric to tabulate (default: the preset's, else test/acc)")
     rep.add_argument("--last", type=int, help="final value = mean of the last N evaluations (default: preset, else 10)")
+    rep.add_argument(
+        "--allow-code",
+        action="append",
+        default=[],
+        metavar="PACKAGE",
+        help="import the code RUNS_DIR names from this top-level package too (repeatable; default: installed "
+        "plugins only, as a results folder may come from anyone)",
+    )
     rep.set_defaults(func=cmd_report)
     sw = sub.add_parser("sweep", help="run a preset's grid x seeds (skips done runs, resumes interrupted ones)")
     sw.add_argument(

@@ -20,7 +20,7 @@ from hafedho.core.diagnostics import Diagnostics
 from hafedho.core.refs import file_name
 from hafedho.data.partition import check_partition
 from hafedho.engine_registry import check_engine, engine_help, option_field
-from hafedho.toml_io import deep_merge, parse_override, read_toml
+from hafedho.toml_io import control_chars, deep_merge, parse_override, read_toml
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -327,6 +327,7 @@ def validate(cfg: Config) -> Config:
         )
     cfg.algorithm = applicable(cfg.algorithm)
     cfg._resolved = (canonical_json(cfg.algorithm), alg)  # held as built: the tables dropped never applied to it
+    check_path_settings(cfg)
     if cfg.name is not None:
         check_run_name(cfg.name)
     if problem := device_problem(cfg.device):
@@ -342,6 +343,21 @@ def validate(cfg: Config) -> Config:
     if s.mode == "fixed" and n and s.cohort_size > n:
         raise ConfigError(f"sampling.cohort_size={s.cohort_size} exceeds data.num_clients={n}; lower it")
     return cfg
+
+
+def check_path_settings(cfg: Config) -> None:
+    """A name or path holding a control character (a newline, an escape) is a typo or a paste, never a folder
+    anyone meant: refused, before it names a run directory or lands in files other tools read line by line."""
+    for key, value in (
+        ("name", cfg.name),
+        ("out", cfg.out),
+        ("data.path", cfg.data.path),
+        ("log.tensorboard", cfg.log.tensorboard),
+        ("log.mlflow", cfg.log.mlflow),
+        ("log.mlflow_experiment", cfg.log.mlflow_experiment),
+    ):
+        if isinstance(value, str) and (bad := control_chars(value)):
+            raise ConfigError(f"{key}={value!r}: holds control character(s) {bad}; remove them")
 
 
 def check_log(log: LogConfig) -> None:

@@ -16,9 +16,11 @@ from torch import nn
 
 from hafedho.config import Config, ConfigError, ModelConfig, canonical_json
 from hafedho.core import FedAlgorithm, FunctionalModel
+from hafedho.core.algorithm import check_hooks
 from hafedho.core.refs import USER_MODULE, user_module_name
 from hafedho.core.sampling import bernoulli_cohort, fixed_cohort
 from hafedho.core.seeds import seed_for
+from hafedho.core.sizing import module_device
 from hafedho.data import partition as P
 from hafedho.data.federated import BatchPlan, FederatedData, split_local_test
 from hafedho.data.flwr_partition import flwr_partition
@@ -96,6 +98,39 @@ def data_hash(ds: Dataset) -> str:
     return h.hexdigest()[:16]
 
 
+def check_model(module: nn.Module, x: torch.Tensor, num_classes: int, name: str) -> None:
+    """One forward of ``x`` (two training rows) when the run is built: the model has a parameter and returns float
+    logits ``[len(x), num_classes]``, else one line naming ``model.name``. Nothing the run computes moves: no
+    gradient, eval mode (each submodule's mode restored), no random draw kept (``fork_rng``). An exception raised
+    in the model's own ``forward`` propagates as it is."""
+    where = f"model.name={name!r}"
+    if next(module.parameters(), None) is None:
+        raise ConfigError(f"{where} has no parameters; give it at least one trainable layer (e.g. nn.Linear)")
+    dev = module_device(module)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.no_grad():
+            out = module(x.to(dev))
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    b, want = len(x), f"logits [{len(x)}, {num_classes}] (batch, classes)"
+    if not isinstance(out, torch.Tensor):
+        what = f"a tuple of {len(out)}" if type(out) is tuple else type(out).__name__
+        raise ConfigError(f"{where} returns {what} for a batch of {b}; forward(x) must return one Tensor of {want}")
+    got = list(out.shape)
+    if out.dim() == 2 and got[0] == b and got[1] != num_classes:
+        raise ConfigError(
+            f"{where} returns {got} for a batch of {b}, but the data has {num_classes} classes: give it "
+            f"{num_classes} outputs"
+        )
+    if got != [b, num_classes]:
+        raise ConfigError(f"{where} returns {got} for a batch of {b}; forward(x) must return {want}")
+    if not out.is_floating_point():
+        raise ConfigError(f"{where} returns {out.dtype} logits; forward(x) must return floating-point {want}")
+
+
 def seed_globals(seed: int) -> None:
     """Seed the global generators (``random``, NumPy's, torch's) before user code runs (a loader, a model
     factory): code that draws from them gives the same data and model on every run of the config."""
@@ -119,6 +154,7 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
             shapes), so its directory name and its resume check see the user's model, never the default one.
     """
     alg = cfg.selected_algorithm()  # checked when the config was loaded, before any data
+    check_hooks(alg)  # a user's hook of the wrong arity: one line now, not a TypeError after round 1
     if module is None and cfg.model.name.startswith(USER_MODULE):
         raise ConfigError(
             f"model.name={cfg.model.name!r} is a user module; pass it to hafedho.experiment.build(cfg, module=...), "
@@ -173,4 +209,5 @@ def build(cfg: Config, module: Callable[[], nn.Module] | nn.Module | None = None
         "source": ds.info,
     }
     model = FunctionalModel(module, weight_decay=cfg.clients.weight_decay)
+    check_model(module, fed.preprocess(fed.x_train[:2]), ds.num_classes, cfg.model.name)
     return Experiment(cfg, alg, fed, model, partition)

@@ -13,15 +13,19 @@ and ``run_state`` the one reader of a run's state (new, interrupted, done, short
 Every file is written atomically (a temporary file unique to the writer, then a rename), so a killed process
 never leaves half a file. One process at a time writes a run: ``RunLock`` (``.locks/NAME.lock`` beside the run
 directory's real path, so two paths to one directory, e.g. through a symbolic link, take one lock).
+Nothing is written through a symbolic link: appends and the lock open with ``O_NOFOLLOW`` (``open_no_link``), a
+temporary file is always created new, and a run directory whose files are links is refused on resume.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import platform
 import secrets
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -41,6 +45,43 @@ class RunDirError(ValueError):
     """A run directory in a state that does not fit the request (exists, corrupt, other config)."""
 
 
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 where the platform has none: ``open_no_link`` checks by lstat/fstat
+
+
+def no_link(path: Path, what: str, fix: str = "remove it, then run again") -> None:
+    """Refuse ``path`` when it is a symbolic link (or exists and is no regular file): nothing is written through
+    one, so a planted link never sends a write outside the run's folders."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise RunDirError(f"{path} is a symbolic link, not {what}; nothing is written through it: {fix}")
+    if not stat.S_ISREG(st.st_mode):
+        raise RunDirError(f"{path} is not a regular file, not {what}: {fix}")
+
+
+def open_no_link(path: Path, flags: int, what: str, fix: str = "remove it, then run again") -> int:
+    """``os.open(path, flags)`` that never follows a link (``O_NOFOLLOW`` where the platform has it, else an lstat
+    before and an identity check after) and opens only a regular file; a refusal is one ``RunDirError`` line."""
+    no_link(path, what, fix)
+    try:
+        fd = os.open(path, flags | NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link planted after the lstat
+            raise RunDirError(f"{path} is a symbolic link, not {what}; nothing is written through it: {fix}") from None
+        raise named(e, path) from None
+    st = os.fstat(fd)
+    try:
+        now = os.lstat(path)
+    except OSError:
+        now = None
+    if not stat.S_ISREG(st.st_mode) or now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise RunDirError(f"{path} is not a regular file, not {what}: {fix}")
+    return fd
+
+
 def named(e: OSError, path: Path) -> OSError:
     """``e`` with ``path`` as its file name when it has none (a failed write, e.g. a full disk, names no file)."""
     if e.filename is None and e.errno is not None:
@@ -54,11 +95,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(f)`` into a temporary file beside ``path``, synced, then renamed onto ``path``: a reader (or a run
-    killed at any moment) sees the old file or the whole new one, never part of it."""
+    killed at any moment) sees the old file or the whole new one, never part of it. The temporary file is created
+    new (``O_EXCL``, never through a link); a link at ``path`` is replaced by the file, its target left untouched."""
     # pid + random suffix: two writers (or a writer and a killed one's leftover) never share a temporary file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o666)
+    except OSError as e:  # not ours (a planted file or link): left in place
+        raise named(e, tmp) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -148,8 +194,14 @@ def _row_problem(row: Any) -> str | None:
 
 def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
     path = Path(run_dir) / "metrics.jsonl"
+    fd = open_no_link(
+        path,
+        os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+        "the run's metrics",
+        "replace it by the file it points to (or remove it), then --resume",
+    )
     try:
-        with open(path, "a") as f:
+        with os.fdopen(fd, "a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -172,7 +224,9 @@ class RunLock:
     the Flower strategy).
     The OS drops it when the holder dies, so a killed process never leaves a stale lock. ``with RunLock(d) as
     held``: ``held`` is False when someone else holds it (even in this process); the holder's pid is then in
-    ``holder``. Without ``fcntl`` (Windows) every run counts as unlocked."""
+    ``holder``. Without ``fcntl`` (Windows) every run counts as unlocked. The lock file (and its ``.locks``
+    folder) is never a symbolic link: one is refused, never written through (it would replace a file elsewhere
+    with a pid)."""
 
     def __init__(self, run_dir: Path) -> None:
         run_dir = Path(run_dir).resolve()  # the real path: a symbolic link to a run directory takes its lock
@@ -181,12 +235,20 @@ class RunLock:
         self.file: Any = None
 
     def __enter__(self) -> bool:
-        make_folder(self.path.parent)
+        folder = self.path.parent
+        if folder.is_symlink():
+            raise RunDirError(
+                f"{folder} is a symbolic link, not the run lock folder; nothing is written through it: remove it, "
+                "then run again"
+            )
+        make_folder(folder)
         try:
             import fcntl
         except ImportError:
             return True
-        f = open(self.path, "a+")  # not truncated before the lock is ours: it names the holder
+        # not truncated before the lock is ours: it names the holder; never opened through a link
+        fd = open_no_link(self.path, os.O_RDWR | os.O_CREAT, "a lock file", "remove it, then run again")
+        f = os.fdopen(fd, "r+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -37,7 +37,12 @@ def parse_override(text: str) -> dict[str, Any]:
     """``a.b=value`` -> ``{"a": {"b": value}}``; the value is read as TOML, else taken as a string."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. algorithm.mu=0.01")
+    if bad := control_chars(text):
+        # TOML would read only the first line of the value and drop the rest (a later ``seed=5``) without a word
+        raise ConfigError(f"override {text!r}: holds control character(s) {bad}; give one KEY=VALUE per override")
     key, raw = (s.strip() for s in text.split("=", 1))
+    if not key or any(not p.strip() for p in key.split(".")):
+        raise ConfigError(f"override {text!r}: no key (or an empty part of one); write KEY=VALUE, e.g. seed=3")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -49,6 +54,15 @@ def parse_override(text: str) -> dict[str, Any]:
         node = node.setdefault(p, {})
     node[parts[-1]] = value
     return out
+
+
+def control_chars(text: str) -> str:
+    """The control characters in ``text`` (C0, DEL, C1) as escapes, e.g. ``'\\n'``; '' when there are none."""
+    found = dict.fromkeys(c for c in text if _CONTROL.match(c))
+    return ", ".join(repr(c) for c in found)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def dump_toml(d: dict[str, Any]) -> str:
@@ -81,8 +95,16 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # a basic string, every control character escaped, so it reads back equal
+        return '"' + _CONTROL.sub(_escape, v.replace("\\", "\\\\").replace('"', '\\"')) + '"'
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return _ESCAPES.get(c, f"\\u{ord(c):04X}")

@@ -7,6 +7,7 @@ algorithm is built, so a bad config fails before any training with one line nami
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import typing
 from typing import Any, ClassVar
@@ -167,3 +168,56 @@ class FedAlgorithm:
     def run_notes(self, local_steps: int) -> dict[str, float]:
         """Facts worth logging once per run (HaFedHo: ``lambda*mu``); may warn."""
         return {}
+
+
+# The hooks the runtime and ``FedAvg`` call, each with its positional arguments after ``self``.
+HOOKS = (
+    "init_server",
+    "init_client",
+    "broadcast",
+    "client_update",
+    "new_aggregator",
+    "server_update",
+    "eval_params",
+    "predict",
+    "run_notes",
+    "objective",
+    "transform",
+    "train",
+    "train_metrics",
+    "next_state",
+)
+
+
+def check_hooks(alg: FedAlgorithm) -> None:
+    """Each hook that ``alg``'s own class overrides (one the library's classes define) must accept the positional
+    arguments the library's definition takes: a wrong count is one line when the run is built, not a TypeError
+    after round 1 has trained."""
+    cls = type(alg)
+    for name in HOOKS:
+        ref = next((vars(c)[name] for c in cls.__mro__ if _library(c) and name in vars(c)), None)
+        mine = getattr(cls, name, None)
+        if ref is None or mine is ref or not callable(ref) or _library(_owner(cls, name)):
+            continue
+        try:
+            want = [p.name for p in inspect.signature(ref).parameters.values() if p.default is p.empty][1:]
+            inspect.signature(getattr(alg, name)).bind(*want)
+        except TypeError as e:
+            if "argument" not in str(e):  # not a signature's complaint
+                raise
+            has = ", ".join(str(p).split(":")[0] for p in inspect.signature(mine).parameters.values())
+            raise ConfigError(
+                f"algorithm {cls.__name__}: {name}({has}) cannot take the runtime's call {name}({', '.join(want)}) "
+                f"({e}); give it those {len(want)} parameters after self"
+            ) from None
+        except ValueError:  # no signature to read (a builtin): nothing to check
+            continue
+
+
+def _library(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == __name__.split(".")[0]  # this package's own classes
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO that defines ``name``."""
+    return next(c for c in cls.__mro__ if name in vars(c))

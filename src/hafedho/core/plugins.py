@@ -73,3 +73,11 @@ def renamed(module: str) -> str | None:
             if (module == old or module.startswith(f"{old}.")) and (best is None or len(old) > len(best[0])):
                 best = (old, new)
     return None if best is None else best[1] + module[len(best[0]) :]
+
+
+@functools.cache
+def packages() -> frozenset[str]:
+    """The installed plugins' top-level packages (``hafedho_paper`` of ``hafedho_paper:PLUGIN``), read from their
+    entry points without importing them: the code ``hafedho report`` may import from a results folder
+    (``hafedho.core.refs.trusting``)."""
+    return frozenset(ep.value.split(":")[0].split(".")[0].strip() for ep in metadata.entry_points(group=GROUP))

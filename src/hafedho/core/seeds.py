@@ -27,9 +27,26 @@ def seed_for(seed: int, purpose: str, *parts: int) -> int:
     """A 63-bit seed derived from ``(seed, purpose, *parts)`` through NumPy's SeedSequence hashing."""
     if purpose not in PURPOSES:  # a typo would silently give a new, unrelated stream
         raise ValueError(f"seed purpose {purpose!r} is not listed in hafedho.core.seeds.PURPOSES")
+    if seed < 0:
+        raise ValueError(f"seed {seed}: seeds are non-negative integers")
     tag = zlib.crc32(purpose.encode())
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, tag, *(int(p) & 0xFFFFFFFF for p in parts)])
+    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, tag, *(int(p) & 0xFFFFFFFF for p in parts), *_high(seed)])
     return int(ss.generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def _high(seed: int) -> list[int]:
+    """The 32-bit words of ``seed`` above its lowest, least significant first; none below 2**32.
+
+    Seeds below 2**32 hash exactly as they always have (committed runs keep their numbers); a larger seed appends
+    its high words, the last one non-zero, so seed + k * 2**32 never shares a stream with seed. (SeedSequence pads
+    with zero words, so a trailing zero word would collide: it never occurs here.)
+    """
+    words: list[int] = []
+    seed >>= 32
+    while seed:
+        words.append(seed & 0xFFFFFFFF)
+        seed >>= 32
+    return words
 
 
 def rng_for(seed: int, purpose: str, *parts: int) -> np.random.Generator:

@@ -1,4 +1,4 @@
-"""The decoded-array cache: a reader's arrays memoised as an ``.npz``, keyed by the source file's identity, and
+"""The decoded-array cache: a reader's arrays memoised as an ``.npz``, keyed by the source file's content, and
 the last ``MEMO_ENTRIES`` of them kept in memory, so that a sweep worker that runs many runs reads its data
 once (the key still sees an edited or replaced source). Arrays served from memory are read-only: no run can
 change the data another run sees."""
@@ -30,15 +30,20 @@ def cache_dir() -> Path:
 
 
 def _fingerprint(path: Path) -> str:
-    """Identity of a file or directory tree: resolved path plus size and mtime of every file."""
+    """Identity of a file or directory tree: resolved path plus the name and bytes of every file.
+
+    The bytes, not size and mtime: an edit in place that keeps both (a rewrite, a restored mtime) would otherwise
+    be served stale, and a resume check on the decoded data would accept it. SHA-256 (hardware-accelerated on
+    current CPUs, faster than BLAKE2b there) reads 63 MB, the CIFAR-10 JPEG archive, in about 0.2 s on a slow
+    shared core: a fraction of the decoding it saves (seconds).
+    """
     h = hashlib.sha256(str(path.resolve()).encode())
-    if path.is_dir():
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            st = f.stat()
-            h.update(f"\0{f.relative_to(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    else:
-        st = path.stat()
-        h.update(f"\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        h.update(f"\0{f.relative_to(path) if f != path else ''}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
     return h.hexdigest()
 
 
@@ -47,8 +52,8 @@ def cached(
 ) -> tuple[dict[str, np.ndarray], bool]:
     """Return ``build()``'s arrays, memoised as an ``.npz`` under :func:`cache_dir`.
 
-    The key is the source's resolved path, the size and mtime of its file(s), ``options`` and a format
-    version, so an edited or replaced source is decoded afresh. The cache is written atomically (temporary
+    The key is the source's resolved path, the bytes of its file(s), ``options`` and a format version, so an
+    edited or replaced source is decoded afresh. The cache is written atomically (temporary
     file, then ``os.replace``); an unreadable cache entry is rebuilt; an unwritable cache dir only costs
     the speed-up.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,15 +14,21 @@ from hafedho.data.safe_pickle import DataError
 __all__ = [
     "Dataset",
     "Source",
+    "default_data_path",
     "existing_path",
     "few",
     "int_labels",
     "no_path",
     "require_finite",
     "require_in_range",
+    "require_real",
 ]
 
-# src/hafedho/data/dataset.py -> the repository root, the fallback base for relative default paths.
+# More classes than any data set hafedho trains on has (ImageNet-21k: 21,841): a larger count is a stray label,
+# and the model's output layer would be sized by it (a label of 2**40 asks for terabytes).
+MAX_CLASSES = 2**20
+
+# src/hafedho/data/dataset.py -> the repository root, the fallback base for a source's own relative default path.
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -58,13 +65,16 @@ class Dataset:
         if self.groups is not None and self.groups.shape != (n,):
             raise DataError(f"{self.name}: groups must have one entry per train example")
         # The loaders check all of this naming the file; this is the net for every source (and direct use).
+        require_class_count(self.num_classes, self.name)
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
             if len(y) == 0:
                 raise DataError(f"{self.name}: the {split} split is empty (0 examples); give it examples")
+            require_real(x, self.name, split)
             require_finite(x, self.name, split)
             if not np.issubdtype(y.dtype, np.integer):
                 raise DataError(f"{self.name}: {split} labels must be integers, got {y.dtype}")
             require_in_range(y, self.num_classes, self.name, split)
+        check_classes(self.y_train, self.num_classes, self.name)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -84,15 +94,33 @@ class Source:
 
 
 def existing_path(name: str, path: str | Path | None) -> Path:
-    """Resolve a data path: as given (relative to the working directory), else relative to the repo root."""
+    """Resolve a data path as given: a relative one against the working directory only (never the checkout)."""
     if path is None:
         raise DataError(f"{name} needs data files; pass data.path=... pointing at your copy")
     p = Path(path).expanduser()
     if p.exists():
         return p
-    if not p.is_absolute() and (_REPO_ROOT / p).exists():
-        return _REPO_ROOT / p
-    raise DataError(f"{name} data not found: {path}; pass data.path=... pointing at your copy")
+    tried = "" if p.is_absolute() else f" (looked for {Path.cwd() / p})"
+    raise DataError(f"{name} data not found: {path}{tried}; pass data.path=... pointing at your copy")
+
+
+def default_data_path(source: Source) -> str | None:
+    """A source's own ``default_path``, resolved: as given if it exists relative to the working directory,
+    else relative to the source checkout's root (the built-in defaults name ``../shared/data/...`` beside the
+    checkout, so they load from any working directory). Only a source's default gets this fallback; a path the
+    user gives is resolved by :func:`existing_path` against the working directory alone."""
+    default = source.default_path
+    if default is None or not source.needs_files:
+        return default
+    p = Path(default).expanduser()
+    if p.exists() or p.is_absolute():
+        return default
+    if (_REPO_ROOT / p).exists():
+        return str(_REPO_ROOT / p)
+    raise DataError(
+        f"{source.name}: its default data {default} is not here (looked for {Path.cwd() / p} and {_REPO_ROOT / p}); "
+        "pass data.path=... pointing at your copy"
+    )
 
 
 def no_path(name: str, path: str | Path | None) -> None:
@@ -109,6 +137,41 @@ def require_finite(x: np.ndarray, where: str, split: str) -> None:
                 f"{where}: the {split} split has {bad} non-finite (NaN/inf) input values; replace or drop those "
                 "examples"
             )
+
+
+def require_real(x: np.ndarray, where: str, split: str) -> None:
+    """Refuse complex inputs: casting them to float32 drops the imaginary part, with only NumPy's warning."""
+    if np.issubdtype(x.dtype, np.complexfloating):
+        raise DataError(
+            f"{where}: the {split} split's inputs are complex ({x.dtype}); give real values (e.g. np.abs(x), or "
+            "the real and imaginary parts as separate features)"
+        )
+
+
+def require_class_count(num_classes: int, where: str) -> None:
+    """A class count the model can be built for: 1..``MAX_CLASSES`` (a larger one is a stray label)."""
+    if not 1 <= num_classes <= MAX_CLASSES:
+        raise DataError(
+            f"{where}: {num_classes:,} classes (labels 0..{num_classes - 1}) is beyond {MAX_CLASSES:,}; a stray "
+            "label sets the count: fix the labels, or declare the classes (data.options.num_classes=N)"
+        )
+
+
+def check_classes(y_train: np.ndarray, num_classes: int, where: str) -> None:
+    """Refuse training labels of a single class (every model reads 100% accuracy: nothing is learnt); warn when
+    classes in ``0..num_classes-1`` have no training example (a stray large label widens the model with them)."""
+    seen = np.unique(y_train)
+    if seen.size == 1:
+        raise DataError(
+            f"{where}: every training label is {int(seen[0])} (one class): accuracy would read 100% whatever the "
+            "model; give data with at least two classes"
+        )
+    if empty := num_classes - seen.size:
+        warnings.warn(
+            f"{where}: {empty:,} of {num_classes:,} classes have no training example (labels seen: "
+            f"{few(seen)}); if a stray label set the class count, fix it",
+            stacklevel=4,  # the loader that built the Dataset (past __post_init__ and the dataclass __init__)
+        )
 
 
 def require_in_range(y: np.ndarray, num_classes: int, where: str, split: str) -> None:

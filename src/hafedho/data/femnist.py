@@ -31,6 +31,11 @@ def _add_leaf(store: _Store, blob: bytes, where: str, split: str) -> None:
         doc = json.loads(blob)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"corrupt LEAF JSON file {where}: {e}; replace it with a fresh copy") from e
+    except RecursionError as e:  # arrays nested thousands deep: Python's JSON parser recurses per level
+        raise DataError(
+            f"LEAF JSON file {where} is nested too deeply to read (LEAF files hold lists of pixel rows); replace it "
+            "with a fresh copy"
+        ) from e
     if not isinstance(doc, dict) or not isinstance(doc.get("user_data"), dict):
         raise DataError(f"{where} is not a LEAF JSON file (no 'user_data' object); check the data path")
     writers: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -40,6 +45,9 @@ def _add_leaf(store: _Store, blob: bytes, where: str, split: str) -> None:
             y = np.asarray(ud["y"])
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{where}: writer {uid} has malformed 'x'/'y' ({e}); replace the file") from e
+        if any(isinstance(v, bool) for v in (ud["y"] if isinstance(ud["y"], list) else ())):
+            # JSON's true would read as class 1 (NumPy casts it among ints): a boolean is no class index
+            raise DataError(f"{where}: writer {uid} has a boolean label (true/false); labels are class indices")
         if x.shape != (len(y), 784) or y.ndim != 1:
             raise DataError(f"{where}: writer {uid} must have x of shape (n, 784) and n labels, got {x.shape}")
         writers.append((uid, x, int_labels(y, f"{where}: writer {uid}", split)))

@@ -6,6 +6,8 @@ Images come out as uint8 ``[N, C, H, W]``; nothing is extracted to disk. :class:
 
 from __future__ import annotations
 
+import re
+import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -194,11 +196,26 @@ def _not_image(folder: _Folder, name: str, e: BaseException) -> DataError:
     return DataError(f"{folder.path}: {name} is not a readable image ({e}); remove it or replace it with a valid image")
 
 
+def _too_large(folder: _Folder, name: str, e: BaseException) -> DataError:
+    """PIL's decompression-bomb refusal, as one line naming the file and its pixel count."""
+    m = re.search(r"\((\d+) pixels\) exceeds limit of (\d+)", str(e))
+    size = f"{int(m[1]):,} pixels, more than PIL's limit of {int(m[2]):,}" if m else str(e)
+    return DataError(
+        f"{folder.path}: {name} is too large to decode: {size} (PIL.Image.MAX_IMAGE_PIXELS; a decompression "
+        "bomb?); remove it or shrink it"
+    )
+
+
 def _open(folder: _Folder, name: str, mode: str) -> Image.Image:
     data = folder.read(name)  # outside the try: a bad zip is reported as such, not as a bad image
     try:
-        im = Image.open(BytesIO(data))
+        with warnings.catch_warnings():
+            # PIL refuses over twice MAX_IMAGE_PIXELS but only warns over it, then decodes: refuse both.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(BytesIO(data))
         return im if im.mode == mode else im.convert(mode)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise _too_large(folder, name, e) from e
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise _not_image(folder, name, e) from e
 

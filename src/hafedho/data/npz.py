@@ -7,7 +7,16 @@ import zlib
 
 import numpy as np
 
-from hafedho.data.dataset import Dataset, Source, existing_path, few, require_finite, require_in_range
+from hafedho.data.dataset import (
+    MAX_CLASSES,
+    Dataset,
+    Source,
+    existing_path,
+    few,
+    require_finite,
+    require_in_range,
+    require_real,
+)
 from hafedho.data.safe_pickle import DataError
 
 __all__ = ["NPZ"]
@@ -66,6 +75,7 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout
     for s in ("train", "test"):
         if x[s].ndim < 2 or not (np.issubdtype(x[s].dtype, np.number) or x[s].dtype == bool):
             raise DataError(f"npz file {p}: x_{s} must be a numeric array [N, ...], got {x[s].dtype} {x[s].shape}")
+        require_real(x[s], f"npz file {p}", s)
         if y[s].shape != (len(x[s]),) or not np.issubdtype(y[s].dtype, np.integer):
             raise DataError(f"npz file {p}: y_{s} must be {len(x[s])} integer labels, got {y[s].dtype} {y[s].shape}")
         if len(y[s]) == 0:
@@ -75,7 +85,13 @@ def _load_npz(path: str | None = None, *, num_classes: int | None = None, layout
     if x["train"].shape[1:] != x["test"].shape[1:]:
         raise DataError(f"npz file {p}: x_train {x['train'].shape[1:]} and x_test {x['test'].shape[1:]} differ")
     if num_classes is None:
-        num_classes = int(y["train"].max()) + 1
+        top, rows = int(y["train"].max()), len(y["train"])
+        if top >= min(rows, MAX_CLASSES):  # some class of 0..top certainly has no example: a stray label
+            raise DataError(
+                f"npz file {p}: y_train label {top} makes {top + 1:,} classes, more than its {rows:,} rows "
+                f"(at most {MAX_CLASSES:,}); fix the label, or declare the classes with data.options.num_classes=N"
+            )
+        num_classes = top + 1
         test_only = np.setdiff1d(y["test"], y["train"])
         if test_only.size:
             raise DataError(

@@ -17,7 +17,7 @@ import typing
 
 from hafedho.data.builtin import DIGITS, SYNTHETIC
 from hafedho.data.cifar import CIFAR10, CIFAR100
-from hafedho.data.dataset import Dataset, Source
+from hafedho.data.dataset import Dataset, Source, default_data_path
 from hafedho.data.femnist import FEMNIST
 from hafedho.data.imagefolder import IMAGEFOLDER
 from hafedho.data.npz import NPZ
@@ -36,7 +36,8 @@ def load_dataset(name: str, path: str | None = None, **options: object) -> Datas
 
     Args:
         name: A key of :data:`SOURCES`, or a reference ``"package.module:name"`` (see :func:`as_source`).
-        path: File or directory to read; ``None`` uses the source's ``default_path``.
+        path: File or directory to read, a relative one against the working directory; ``None`` uses the source's
+            ``default_path`` (which alone may resolve against the source checkout: :func:`default_data_path`).
         **options: Source-specific options (e.g. ``alpha`` for synthetic, ``label`` for cifar100).
 
     Raises:
@@ -46,14 +47,14 @@ def load_dataset(name: str, path: str | None = None, **options: object) -> Datas
     if source is None and ":" in name:
         from hafedho.core.refs import import_reference  # stdlib only; lazy: reading built-in data needs no torch
 
-        source = as_source(import_reference("data.source", name, DataError), name, f"data.source={name!r}")
+        source = as_source(import_reference("data.source", name, DataError), name, f"data.source={name!r}", True)
     if source is None:
         raise DataError(
             f"unknown data source {name!r}; known sources: {', '.join(SOURCES)}, or name your own by reference, "
             "data.source='package.module:load'"
         )
     if path is None:
-        path = source.default_path
+        path = default_data_path(source)  # a relative default may fall back to the checkout; a given path never
     try:
         inspect.signature(source.load).bind(path, **options)
     except TypeError as e:
@@ -87,9 +88,22 @@ def _check_options(source: Source, options: dict[str, object]) -> None:
             )
 
 
-def as_source(obj: object, name: str, where: str) -> Source:
+def as_source(obj: object, name: str, where: str, reference: bool = False) -> Source:
     """A user's data source as a :class:`Source`: one as it is, or a function ``load(path=None, **options)``
-    (its docstring's first line is the description; it reads ``data.path``, ``None`` unless given)."""
+    (its docstring's first line is the description; it reads ``data.path``, ``None`` unless given). Named by
+    ``reference`` (text, not code), the function must be a ``def`` of the user's and a ``Source``'s loader too,
+    never a builtin or the standard library's (``hafedho.core.refs``): ``data.path`` is its argument."""
+    if reference:
+        from hafedho.core.refs import not_standard_library
+
+        load = obj.load if isinstance(obj, Source) else obj
+        not_standard_library("data.source", name, load, getattr(load, "__module__", None) or "builtins", DataError)
+        if not (isinstance(obj, Source) or inspect.isfunction(obj)):
+            what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+            raise DataError(
+                f"{where}: {what} is not a data source; name a hafedho.data.sources.Source or a "
+                "function def load(path=None, **options) -> Dataset"
+            )
     if isinstance(obj, Source):
         return obj
     try:

@@ -42,6 +42,7 @@ RUN_CONFIG: tuple[Setting, ...] = (
     Setting("round-timeout", 600.0, "seconds a round waits for replies; missing ones are dropped"),
     Setting("node-wait", 120.0, "seconds (from round 1) a round waits for its cohort's SuperNodes to connect"),
     Setting("force", False, "replace an existing run directory"),
+    Setting("resume", False, "continue the run directory from its checkpoint (SuperNodes keep client state)"),
     Setting("torch-threads", 0, "> 0: torch.set_num_threads on the server and the clients"),
     Setting("secagg", False, "SecAgg+: the server sees only the sum of the uploads (weighted-sum algorithms)"),
     Setting("secagg-num-shares", 0, "SecAgg+ shares of each client's secrets; 0 = the whole cohort"),

@@ -4,7 +4,7 @@
     hafedho flower app DIR                         a Flower App folder naming hafedho's ServerApp and ClientApp
     hafedho flower superlink [--certs DIR]         flower-superlink (Fleet, Control, Runtime APIs on one port)
     hafedho flower supernode --superlink H:P --partition-id K --num-partitions N [--root-cert CA]
-    hafedho flower run [CONFIG] [KEY=VALUE ...] --superlink H:P [--root-cert CA] [--simulation N] [--wait]
+    hafedho flower run [CONFIG] [KEY=VALUE ...] --superlink H:P [--root-cert CA] [--simulation N] [--resume] [--wait]
 
 Nothing here imports flwr; the Flower commands must be installed beside hafedho (``pip install 'hafedho[flower]'``).
 """
@@ -73,6 +73,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="> 0: torch threads of the server and each client",
     )
     r.add_argument("--force", action="store_true", help="replace an existing run directory")
+    r.add_argument(
+        "--resume", action="store_true", help="continue the run directory from its checkpoint (docs/flower.md)"
+    )
     r.add_argument("--secagg", action="store_true", help="SecAgg+ secure aggregation (docs/flower.md)")
     for key in ("secagg-num-shares", "secagg-reconstruction-threshold", "secagg-clipping-range"):
         r.add_argument(f"--{key}", type=type(rc[key]), default=rc[key], help=f"see docs/flower.md (default {rc[key]})")
@@ -152,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         "round-timeout": args.round_timeout,
         "node-wait": args.node_wait,
         "force": args.force,
+        "resume": args.resume,
         "torch-threads": args.torch_threads,
         **{k: getattr(args, k.replace("-", "_")) for k in RUN_CONFIG_DEFAULTS if k.startswith("secagg")},
     }

@@ -93,7 +93,7 @@ class SecureRounds:
 
     def start(self, grid: Grid, context: Context) -> None:
         st = self.strategy
-        for t in range(1, st.cfg.rounds + 1):
+        for t in range(st.first_round, st.cfg.rounds + 1):  # > 1: resumed from a checkpoint
             log(INFO, "[ROUND %s/%s] (SecAgg+)", t, st.cfg.rounds)
             self.train_round(t, grid, context)
             arrays = codec.encode(st.server)

@@ -15,13 +15,16 @@ Round t:
 
 Node ids are mapped to partition ids by a ``query`` message to every node not yet known; during the first
 ``node_wait`` seconds a round waits for the nodes of its cohort to connect.
+
+``prepare(resume=True)`` continues a run directory from its checkpoint as ``hafedho run --resume`` does; Flower
+counts the rounds of this process from 1, so ``start`` shifts them: every method sees the run's own round numbers.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
+from torch.utils import _pytree as pytree
 
 from hafedho.config import ConfigError
 from hafedho.experiment import Experiment
 from hafedho.flower import codec
-from hafedho.flower.common import META_KEY, digest, upload_template
+from hafedho.flower.common import META_KEY, client_template, digest, upload_template
 from hafedho.runtime.rounds import ServerRounds, pooled_accuracy, run_facts
-from hafedho.runtime.rundir import RunDir
+from hafedho.runtime.rundir import RunDir, interrupted_text
+from hafedho.runtime.store import ClientStore
 from hafedho.runtime.work import CohortResult, CohortStream
 
 
@@ -65,6 +70,10 @@ class HafedhoStrategy(Strategy):
         self._asked: set[int] = set()
         self._foreign: dict[int, int] = {}  # node id -> the N it reported, for nodes of another federation
         self._round: dict[str, Any] = {}
+        self.first_round = 1  # the first round this process runs (> 1: resumed from a checkpoint)
+        self._shift = 0  # Flower's round number + _shift = the run's, while ``start`` runs
+        self._was_done = False  # ``prepare(resume=True)`` found the run finished: nothing to write
+        self._phase = "new"  # "running" once prepared, "ended" once finished, abandoned or reported interrupted
 
     @property
     def server(self) -> Any:
@@ -77,14 +86,75 @@ class HafedhoStrategy(Strategy):
 
     # ----------------------------------------------------------------- run directory
 
-    def prepare(self, force: bool = False) -> None:
-        """Take the run's lock and create its directory as the simulator does; ``finish`` releases the lock."""
+    def prepare(self, force: bool = False, resume: bool = False) -> None:
+        """Take the run's lock and create its directory as the simulator does; ``finish`` releases the lock.
+
+        ``resume``: continue the directory from its checkpoint with the simulator's checks (same experiment and
+        data, rows covering the checkpoint, the checkpoint's identity), the server state restored and the rows
+        after the checkpoint dropped (recomputed). A run already finished at ``rounds`` is left as it is. Without
+        ``resume`` an existing run directory is refused (``--resume`` or ``--force``). Every refusal comes before
+        anything in the directory changes, and releases the lock."""
         if self.run_dir is None:
             return
-        self.run_dir.acquire()
-        self.run_dir.prepare(self.cfg, resume=False, force=force)
-        warn = lambda text: log(WARNING, "hafedho: %s", text)
-        self.run_dir.start(self.exp.partition, run_facts(self.exp, warn, engine="flower"))
+        rd = self.run_dir
+        rd.acquire()
+        try:
+            if rd.prepare(self.cfg, resume, force, self.exp.partition):
+                self.first_round, self._phase, self._was_done = self.cfg.rounds + 1, "running", True
+                log(INFO, "hafedho: %s already holds all %d rounds; nothing to do", rd.path, self.cfg.rounds)
+                return
+            start, server, wall = 1, self.server, 0.0
+            if resume:  # the client states live on the nodes: the store holds none
+                start, server, wall = rd.resume(self.server, ClientStore((), self.fed.num_clients))
+            warn = lambda text: log(WARNING, "hafedho: %s", text)
+            rd.start(self.exp.partition, run_facts(self.exp, warn, engine="flower"))
+            rd.truncate(start - 1)  # rounds after the checkpoint are recomputed
+        except BaseException:
+            rd.release()
+            raise
+        self._phase = "running"
+        if start > 1:
+            self.server_rounds = ServerRounds(self.exp, server, rd, start, wall, checkpoint_extra={"engine": "flower"})
+            self.first_round = start
+            log(INFO, "hafedho: resuming %s after the checkpoint of round %d", rd.path, start - 1)
+            if pytree.tree_leaves(client_template(self.exp)):
+                log(
+                    WARNING,
+                    "hafedho: %s keeps client state on the SuperNodes, and a resumed deployment does not get it "
+                    "back (each `flwr run` is a new run series there; so is a restarted SuperNode): its clients "
+                    "restart from init_client's state, so this run differs from an uninterrupted one (docs/flower.md)",
+                    self.alg.name,
+                )
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, **kwargs: Any) -> Result:
+        """Flower's round loop (``Strategy.start``) over rounds ``first_round..num_rounds`` of the run."""
+        self._shift = self.first_round - 1
+        try:
+            return super().start(grid, initial_arrays, max(num_rounds - self._shift, 0), **kwargs)
+        finally:
+            self._shift = 0
+
+    def interrupted(self) -> str | None:
+        """Once, for a prepared run that did not finish: the checkpoint being written is waited for, the lock
+        released, and the simulator's line (``interrupted at round N; continue with --resume``) logged and
+        returned; None otherwise."""
+        if self.run_dir is None or self._phase != "running":
+            return None
+
+        self._phase = "ended"
+        try:
+            self.run_dir.release()  # waits for the checkpoint being written: the one --resume continues from
+        except Exception as e:  # the line below still says where the run stands
+            log(WARNING, "hafedho: the last checkpoint was not written: %s", e)
+        text = interrupted_text(self.run_dir.path)
+        log(ERROR, "hafedho: %s", text)
+        return text
+
+    def abandon(self) -> None:
+        """The run failed: release its lock (its files stay as they are; nothing says it was interrupted)."""
+        if self.run_dir is not None and self._phase == "running":
+            self._phase = "ended"
+            self.run_dir.release()
 
     def initial_arrays(self) -> ArrayRecord:
         return codec.encode(self.server)
@@ -163,6 +233,7 @@ class HafedhoStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        server_round += self._shift
         cohort = self.exp.cohort(server_round).tolist()
         _, msg = self.server_rounds.begin(server_round, len(cohort))
         self._asked = set()  # a node that failed to report its partition is asked again next round
@@ -188,6 +259,7 @@ class HafedhoStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self._shift
         cohort: list[int] = self._round.get("cohort") or self.exp.cohort(server_round).tolist()
         by_cid: dict[int, Message] = {}
         for reply in replies:
@@ -248,6 +320,7 @@ class HafedhoStrategy(Strategy):
     ) -> Iterable[Message]:
         """With held-out local data (personalised algorithms by default), every known node reports the accuracy of
         the model it would deploy (``alg.predict``) on its own data, as the simulator's ``personal_accuracy``."""
+        server_round += self._shift
         if self.fed.local_test is None or not self.server_rounds.is_eval_round(server_round):
             return []
         online = set(grid.get_node_ids())
@@ -264,6 +337,7 @@ class HafedhoStrategy(Strategy):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        server_round += self._shift
         counts = []
         for reply in replies:
             if reply.has_error():
@@ -287,17 +361,25 @@ class HafedhoStrategy(Strategy):
 
     def evaluate_global(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Centralised evaluation (``evaluate_fn`` of ``Strategy.start``); also writes the round's metrics row."""
+        if server_round == 0:  # Flower's evaluation of the initial model: no round of the run
+            return None
+        server_round += self._shift
         row = self._round.pop("row", None)
-        if server_round == 0 or row is None:
+        if row is None:
             return None
         ev = self.server_rounds.evaluate(server_round, row)  # personal accuracy: from the nodes (aggregate_evaluate)
         self.server_rounds.commit(server_round, row)
         return None if ev is None else MetricRecord({"test/acc": ev["acc"], "test/loss": ev["loss"]})
 
     def finish(self) -> None:
-        if self.run_dir is not None:
-            self.run_dir.mark_done()
-            self.run_dir.release()
+        """The run ended: its done marker (after the last checkpoint), then the lock released."""
+        if self.run_dir is not None and self._phase == "running":
+            self._phase = "ended"
+            try:
+                if not self._was_done:  # a finished run resumed is left as it is
+                    self.run_dir.mark_done()
+            finally:
+                self.run_dir.release()
 
     def summary(self) -> None:
         log(INFO, "\t├── algorithm: %s (%s)", self.alg.name, type(self.alg).__name__)

@@ -73,7 +73,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **opt
             coerced), or an input shape the model cannot take.
     """
     if is_reference(name):
-        factory = check_model_factory(import_reference("model.name", name, ValueError), f"model.name={name!r}")
+        obj = import_reference("model.name", name, ValueError)
+        factory = check_model_factory(obj, f"model.name={name!r}", reference=True)
     elif name in MODELS:
         factory = MODELS[name]
     else:
@@ -101,14 +102,17 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **opt
     return module
 
 
-def check_model_factory(obj: object, where: str) -> Callable[..., nn.Module]:
-    """``obj`` if it can build a model (an ``nn.Module`` class, or a function returning one), else one line."""
+def check_model_factory(obj: object, where: str, reference: bool = False) -> Callable[..., nn.Module]:
+    """``obj`` if it can build a model (an ``nn.Module`` class, or a function returning one), else one line.
+    Named by ``reference`` (text, not code), it must be a class or a ``def`` function, never another callable:
+    what a config calls is the user's code (``hafedho.core.refs``)."""
     if isinstance(obj, nn.Module):
         raise ValueError(
             f"{where}: an nn.Module instance, whose weights would not follow the run's seed; name its class or a "
             "function that builds it"
         )
-    if (isinstance(obj, type) and not issubclass(obj, nn.Module)) or not callable(obj):
+    plain = isinstance(obj, type) or inspect.isfunction(obj)
+    if (isinstance(obj, type) and not issubclass(obj, nn.Module)) or not callable(obj) or (reference and not plain):
         what = f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
         raise ValueError(
             f"{where}: {what} is not an nn.Module factory; name an nn.Module subclass or a function returning one"

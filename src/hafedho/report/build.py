@@ -27,6 +27,7 @@ class ReportFiles:
     figures: list[Path] = field(default_factory=list)
     text: str = ""
     pages: list[SectionPage] = field(default_factory=list)  # each section's tables and figures, in order
+    left_out: dict[str, str] = field(default_factory=dict)  # runs left out for a bad metrics.jsonl -> why
 
 
 def _csv(rows: list[dict[str, Any]]) -> str:
@@ -39,6 +40,39 @@ def _csv(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+# A report writes only these: results.md, report.html and its .csv, .tex and .png files (``write_report``)
+_REPORT_SUFFIXES = (".csv", ".tex", ".png")
+_REPORT_FILES = ("results.md", "report.html")
+
+
+def _is_run_dir(folder: Path) -> bool:
+    """``folder`` holds a run (``runtime.rundir.RUN_FILES``): its config beside another run file, or its rows,
+    checkpoint or environment."""
+    from hafedho.runtime.rundir import RUN_FILES
+
+    if any((folder / name).exists() for name in ("metrics.jsonl", "checkpoint.pt", "env.json")):
+        return True
+    return (folder / "config.toml").is_file() and any((folder / n).exists() for n in RUN_FILES - {"config.toml"})
+
+
+def check_out(out: Path, default: bool) -> None:
+    """Refuse, before anything is written, an output folder that is (or lies inside) a run directory (its files
+    would make ``--force`` refuse that run, and a figure could replace a run file) and one holding a symbolic link
+    at a name the report writes (it would write through it, outside the folder)."""
+    for folder in (out.resolve(), *out.resolve().parents):
+        if folder.is_dir() and _is_run_dir(folder):
+            where = "is" if folder == out.resolve() else f"lies inside {folder}, which is"
+            fix = "pass --out naming a folder outside it" if default else "choose an --out outside every run"
+            raise ConfigError(f"report folder {out} {where} a run directory; a report never writes into one: {fix}")
+    if not out.is_dir():
+        return
+    for p in sorted(out.iterdir()):
+        if p.is_symlink() and (p.name in _REPORT_FILES or p.suffix in _REPORT_SUFFIXES):
+            raise ConfigError(
+                f"{p} is a symbolic link; the report writes no file through one: remove it, or choose another --out"
+            )
+
+
 def write_report(
     runs_dir: str | Path,
     out: str | Path | None = None,
@@ -48,13 +82,15 @@ def write_report(
 ) -> ReportFiles:
     """Write results.md, report.html, summary.csv, rounds_to_target.csv, each table as .csv and .tex, and the
     PNG figures into ``out`` (default: ``runs_dir``); report.html references the PNGs beside it. With several
-    sections, file names start with the section.
+    sections, file names start with the section. An ``out`` that is or lies in a run directory, or holds a link at
+    a name the report writes, is refused before anything is written (``check_out``).
     ``title`` heads the page (default: ``Results from `RUNS_DIR` ``)."""
     from hafedho.report.plots import section_plots  # matplotlib only when figures are drawn
 
     sections = load_sections(runs_dir, metric, last)
     if not sections:
         raise ConfigError(f"{runs_dir}: no run directories with metrics and no sweep index (sweeps/*.json) found")
+    check_out(Path(out or runs_dir), default=out is None)
     out = Path(out or runs_dir)
     out.mkdir(parents=True, exist_ok=True)
     shown = shown_path(runs_dir)
@@ -88,4 +124,5 @@ def write_report(
             atomic_write_text(out / name, _csv(rows))
     html_path = out / "report.html"  # no build time: the same runs give the same page, byte for byte
     atomic_write_text(html_path, page(title or "hafedho report", pages, out, shown))
-    return ReportFiles(out / "results.md", html_path, tables_written, figures, text, pages)
+    bad = {name: why for s in sections for name, why in s.unreadable.items()}
+    return ReportFiles(out / "results.md", html_path, tables_written, figures, text, pages, bad)

@@ -6,6 +6,7 @@ draw); one of one's own uses ``band``, ``row_colors`` and ``finish`` below as th
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -305,8 +306,8 @@ def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Pa
     made = []
     for kind, entry in {**FIGURES, **lay.section.study.figures}.items():
         if isinstance(entry, str):
-            entry = import_reference(f"report.study figures.{kind}", entry, ConfigError)
-            if not callable(entry):
+            entry = import_reference(f"report.study figures.{kind}", entry, ConfigError, from_folder=True)
+            if not inspect.isfunction(entry):
                 raise ConfigError(
                     f"report.study figures.{kind}: not a figure builder (Layout, folder, prefix) -> paths"
                 )

@@ -16,6 +16,7 @@ that wrote it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 from hafedho.config import RUNTIME_KEYS, ConfigError, canonical_json, config_from_table, experiment_identity, flatten
 from hafedho.report.paths import relative_paths
 from hafedho.report.study import Study
-from hafedho.runfiles import DIVERGED, DONE, read_metrics, run_state, why_no_rows
+from hafedho.runfiles import DIVERGED, DONE, RunDirError, read_metrics, run_state, why_no_rows
 from hafedho.sweep.index import find_indexes, read_index, runs_folder
 from hafedho.toml_io import read_toml
 
@@ -132,6 +133,7 @@ class Section:
     derived: dict[str, str] = field(default_factory=dict)  # a derived row's label -> the row label it sits beside
     notes: list[str] = field(default_factory=list)  # the sweep's lines for the tables (e.g. cells with no derived run)
     left_out: dict[str, str] = field(default_factory=dict)  # run directories without a row -> why (status table)
+    unreadable: dict[str, str] = field(default_factory=dict)  # runs left out for a bad metrics.jsonl -> its error
 
     def names(self) -> dict[str, str]:
         return dict(self.report.get("names", {}))
@@ -159,6 +161,33 @@ def hyperparameters(config: dict[str, Any]) -> dict[str, Any]:
     return flatten({**defaults, **settings})
 
 
+# An accuracy key: "acc" (or "accuracy") as a word of its last part: test/acc, test/personal_acc, not accumulated_*.
+_ACCURACY = re.compile(r"(?:^|_)acc(?:uracy)?(?:_|$)")
+
+
+def report_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """``runfiles.read_metrics`` (which refuses non-finite values), and every value a number or null, every
+    accuracy in [0, 1]: a run with another is left out of the report (``RunDirError``), never tabulated."""
+    rows = read_metrics(run_dir)
+    for row in rows:
+        for key, value in row.items():
+            if value is None:
+                continue
+            where = f"{run_dir / 'metrics.jsonl'}: {key}"
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise RunDirError(
+                    f"{where} at round {row['round']} is {shown}, not a number; fix that line, or recompute the "
+                    "run with --force"
+                )
+            if _ACCURACY.search(key.rsplit("/", 1)[-1]) and not 0 <= value <= 1:
+                raise RunDirError(
+                    f"{where} {value} at round {row['round']} is outside [0, 1], no accuracy; fix that line, or "
+                    "recompute the run with --force"
+                )
+    return rows
+
+
 # run_state's words as the report's Run.status (and so its status table) has them
 _STATUS = {"done": "done", "diverged": "diverged", "short": "incomplete", "interrupted": "incomplete", "new": "missing"}
 
@@ -173,7 +202,7 @@ def read_run(run_dir: Path, rounds: int | None = None) -> Run:
     cfg_path = run_dir / "config.toml"
     if not cfg_path.exists():
         return Run(run_dir, {}, [], "missing")
-    rows = read_metrics(run_dir)
+    rows = report_rows(run_dir)
     state = run_state(run_dir, rounds, rows)
     message = state.message
     if state.status == "short":  # done at a shorter horizon (another preset's): not this sweep's result yet
@@ -241,9 +270,14 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
     base = runs_folder(index_path)
     report = index.report
     axes = [a for a in index.axes if a not in set(index.row_axes) and not is_runtime(a)]
-    runs, used = [], set()
+    runs, used, unreadable = [], set(), {}
     for entry in index.runs:
-        run = read_run(base / entry.dir, entry.rounds)
+        try:
+            run = read_run(base / entry.dir, entry.rounds)
+        except RunDirError as e:  # a bad metrics line: this run is left out (named), never the whole report
+            used.add((base / entry.dir).resolve())
+            unreadable[entry.dir] = str(e)
+            continue
         used.add(run.dir.resolve())
         run.label, run.reference = entry.label if entry.label is not None else run.label, entry.reference
         run.setting = {k: freeze(v) for k, v in entry.point.items() if k in axes}
@@ -265,6 +299,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
         failed=index.failed,
         derived={label: d["of"] for label, d in index.derived.items()},
         notes=index.notes,
+        unreadable=unreadable,
     )
     return section, used
 
@@ -298,6 +333,7 @@ def _relative_messages(section: Section, base: Path, root: Path) -> None:
         for r in g.runs:
             r.message = relative_paths(r.message, r.dir, root)
     section.failed = {name: relative_paths(msg, base / name, root) for name, msg in section.failed.items()}
+    section.unreadable = {name: relative_paths(msg, base / name, root) for name, msg in section.unreadable.items()}
 
 
 def load_sections(root: str | Path, metric: str | None = None, last: int | None = None) -> list[Section]:
@@ -312,20 +348,28 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
         _relative_messages(section, runs_folder(index_path), root)
         sections.append(section)
         used |= dirs
-    plain, left_out = [], {}
+    plain, left_out, unreadable = [], {}, {}
     for d in sorted(p.parent for p in root.rglob("config.toml") if p.parent.resolve() not in used):
-        if read_metrics(d):
+        try:
+            rows = report_rows(d)
+        except RunDirError as e:  # a bad metrics line: this run is left out (named), never the whole report
+            unreadable[str(d.relative_to(root))] = relative_paths(str(e), d, root)
+            continue
+        if rows:
             plain.append(d)
         elif any((d / f).exists() for f in ("env.json", "metrics.jsonl", DONE, DIVERGED)):
             left_out[str(d.relative_to(root))] = why_no_rows(d)
     if plain:
         sections.append(_plain_section(plain, metric, last))
         _relative_messages(sections[-1], root, root)
-    if left_out and not sections:
-        first, more = next(iter(left_out.items())), f" (and {len(left_out) - 1} more)" if len(left_out) > 1 else ""
+    if (left_out or unreadable) and not sections:
+        out = {**unreadable, **left_out}
+        first, more = next(iter(out.items())), f" (and {len(out) - 1} more)" if len(out) > 1 else ""
         raise ConfigError(f"{root}: no run has a metrics row yet; left out: {first[0]}: {first[1]}{more}")
     if left_out:
         sections[-1].left_out = left_out
+    if unreadable:
+        sections[-1].unreadable = {**sections[-1].unreadable, **unreadable}
     if metric is not None and sections:
         known = sorted(
             {k for s in sections for g in s.groups for r in g.runs for row in r.rows for k in row} - {"round"}

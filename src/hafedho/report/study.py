@@ -61,7 +61,7 @@ class Study:
     def of(cls, report: dict[str, Any]) -> Study:
         """The study of a section's ``[report]`` settings, over its ``study`` reference (module docstring)."""
         ref = str(report.get("study", ""))
-        base = dict(import_reference("report.study", ref, ConfigError)) if ref else {}  # type: ignore[call-overload]
+        base = dict(_study(ref)) if ref else {}
         settings = {**base, **{k: report[k] for k in KEYS if k in report}}
 
         def label_and_name(key: str) -> tuple[str, str]:  # a name goes with its label: the study's only for its own
@@ -82,6 +82,15 @@ class Study:
     def derived_name(self, of: str) -> str:
         """A derived row's name: ``derived.name``, plus ``(ROW)`` when it is derived from a row other than own."""
         return self.derived.name if of == self.own else f"{self.derived.name} ({of})"
+
+
+def _study(ref: str) -> Mapping[str, Any]:
+    """The mapping ``report.study`` names: read from a results folder, so only a plugin's unless the user trusts
+    the package (``hafedho.core.refs.trusting``)."""
+    study = import_reference("report.study", ref, ConfigError, from_folder=True)
+    if not isinstance(study, Mapping):
+        raise ConfigError(f"report.study={ref!r}: a {type(study).__name__}, not a mapping of study settings")
+    return study
 
 
 def _kinds(value: Any, where: str) -> dict[str, str]:

@@ -112,6 +112,8 @@ def load(path: Path, server_template: Any) -> tuple[int, Any, dict[str, Any], di
         if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 1:
             raise RunDirError(f"{path}: corrupt checkpoint (round {rnd!r}); start over with --force")
         return rnd, pytree.tree_unflatten(moved, spec), payload, payload.get("extra", {})
+    except RunDirError:  # a ValueError too: its own line, not "corrupt checkpoint (RunDirError)"
+        raise
     except _CORRUPT as e:
         raise RunDirError(f"{path}: corrupt checkpoint ({type(e).__name__}); start over with --force") from None
 

@@ -134,6 +134,7 @@ class ServerRounds:
         self._msg_bytes = 0  # of this round's broadcast
         self._test: tuple[torch.Tensor, torch.Tensor] | None = None
         self._start_loss: float | None = None
+        self._hook_of: dict[str, str] = {}  # the last round's metrics: the hook that returned each
 
     def begin(self, t: int, cohort_size: int) -> tuple[RoundInfo, Any]:
         """Round ``t`` starts with ``cohort_size`` sampled clients: its ``RoundInfo`` and the broadcast."""
@@ -160,6 +161,11 @@ class ServerRounds:
             rnd = RoundInfo(t, self.exp.fed.num_clients, reported)
             self.server, server_metrics = _pair(alg.server_update(self.server, out.aggregate, rnd), type(alg).__name__)
         row: dict[str, Any] = {"round": t, "cohort_size": reported, **out.metrics, **server_metrics, **extra}
+        # which hook returned each metric, for ``_check_finite``'s message
+        self._hook_of = {
+            **dict.fromkeys(out.metrics, "client_update"),
+            **dict.fromkeys(server_metrics, "server_update"),
+        }
         self._check_finite(t, row)
         self._check_blowup(t, row)
         self.wall += time.perf_counter() - self._t0
@@ -167,10 +173,25 @@ class ServerRounds:
         return row
 
     def _check_finite(self, t: int, row: dict[str, Any]) -> None:
+        """A non-finite number in the row or the global model ends the run as diverged; but a non-finite metric
+        beside a finite model and finite losses is the metric's own: one line naming it and the hook that
+        returned it, not a hint at the lr."""
         bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
-        if bad or not tree.all_finite(self.exp.alg.eval_params(self.server)):
-            what = f"{bad[0]} is {row[bad[0]]}" if bad else "the global model has non-finite values"
-            self._diverged(t, what, "lower algorithm.lr or the algorithm's coefficients")
+        finite_model = tree.all_finite(self.exp.alg.eval_params(self.server))
+        if not bad and finite_model:
+            return
+        what = f"{bad[0]} is {row[bad[0]]}" if bad else "the global model has non-finite values"
+        if finite_model and bad[0] in self._hook_of and not any("loss" in k for k in bad):
+            hook = self._hook_of[bad[0]]
+            name = type(self.exp.alg).__name__
+            self._diverged(
+                t,
+                what,
+                f"algorithm {name}'s {hook} returned it as a metric while the global model and the losses are "
+                "finite: fix how the algorithm computes that metric",
+                lead="run stopped",
+            )
+        self._diverged(t, what, "lower algorithm.lr or the algorithm's coefficients")
 
     def _check_blowup(self, t: int, row: dict[str, Any]) -> None:
         loss = row.get("train/loss")
@@ -183,11 +204,11 @@ class ServerRounds:
             hint = f"algorithm.lr = {self.exp.alg.lr:g}, or a coefficient of the algorithm, is too large here: lower it"
             self._diverged(t, what, hint)
 
-    def _diverged(self, t: int, what: str, hint: str) -> None:
+    def _diverged(self, t: int, what: str, hint: str, lead: str = "run diverged") -> None:
         kept = self.run_dir is not None and self.checkpointed > 0
         # relative to the results root: the marker and the reports quoting it name no machine's path
         good = f"round {self.checkpointed} in {self.run_dir.path.name}/checkpoint.pt" if kept else "none"
-        text = f"run diverged at round {t}: {what} ({hint}); last good checkpoint: {good}"
+        text = f"{lead} at round {t}: {what} ({hint}); last good checkpoint: {good}"
         if self.run_dir is not None:
             self.run_dir.mark_diverged(text)
         raise Divergence(text)

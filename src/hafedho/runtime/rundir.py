@@ -9,15 +9,19 @@ directory), the facts written once (``start``), the metrics rows, checkpoints wi
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hafedho.config import (
     Config,
     ConfigError,
     config_from_table,
+    experiment_hash,
     experiment_identity,
     identity_diff,
 )
@@ -39,6 +43,10 @@ from hafedho.runtime import checkpoint
 from hafedho.runtime.store import ClientStore
 from hafedho.toml_io import dump_toml, read_toml
 from hafedho.tracking import Tracking, trackers_for
+
+
+def _field(d: Any, key: str) -> str:
+    return str(d.get(key, "?")) if isinstance(d, dict) else "?"
 
 
 def check_same_experiment(run_dir: Path, cfg: Config) -> None:
@@ -126,6 +134,21 @@ def check_rows_cover_checkpoint(run_dir: Path, rows: list[dict[str, Any]]) -> No
         )
 
 
+def check_no_links(run_dir: Path) -> None:
+    """Refuse a run directory whose files (or the files in its client-store folders) are symbolic links: a run
+    writes nothing through one (it would change a file outside the run), so none is followed on resume."""
+    for p in sorted(run_dir.iterdir()):
+        if not _is_run_entry(p.name):
+            continue
+        inner = sorted(p.iterdir()) if p.is_dir() and not p.is_symlink() else []
+        for q in [p, *inner]:
+            if q.is_symlink():
+                raise RunDirError(
+                    f"{q} is a symbolic link, not a file of this run; nothing is written through it: replace it by "
+                    "the file it points to (or remove it), then --resume"
+                )
+
+
 def _force_delete(run_dir: Path) -> None:
     """``--force``: delete a run directory (``_check_deletable``), never through a symbolic link."""
     if run_dir.is_symlink():
@@ -154,6 +177,7 @@ def prepare_run_dir(
         if not resume:
             state = "a finished" if run_state(run_dir).status == "done" else "an interrupted"
             raise RunDirError(f"{run_dir} holds {state} run; pass --resume to continue it or --force to start over")
+        check_no_links(run_dir)
         check_same_experiment(run_dir, cfg)
         check_same_data(run_dir, partition)
         rows = read_metrics(run_dir)  # a bad line in the middle is an error here, before anything is rewritten
@@ -174,7 +198,8 @@ def prepare_run_dir(
                 "from round 1 with --force (or by deleting the directory)"
             )
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
+    if not (run_dir / "config.toml").exists():  # a resumed run's is rewritten by ``RunDir.start``, once checked
+        atomic_write_text(run_dir / "config.toml", dump_toml(cfg.to_dict()))
     return False
 
 
@@ -191,6 +216,8 @@ class RunDir:
         self._writing: threading.Thread | None = None  # the checkpoint being written (save_checkpoint)
         self._written: int | None = None  # its round, once on disk (for the trackers)
         self._failed: BaseException | None = None
+        self.identity: dict[str, Any] | None = None  # the run's experiment hash and seed, saved in each checkpoint
+        self._config: str | None = None  # its config.toml (``prepare``), written by ``start``
 
     def acquire(self) -> None:
         if not self._lock.__enter__():
@@ -221,11 +248,16 @@ class RunDir:
         """``prepare_run_dir``: True when ``resume`` finds the run finished (then nothing is written)."""
         tracking = trackers_for(cfg, self.path)  # a missing extra is refused before anything is written
         finished = prepare_run_dir(self.path, cfg, resume, force, partition)
+        self.identity = {"experiment": experiment_hash(cfg), "seed": cfg.seed}
+        self._config = dump_toml(cfg.to_dict())
         self.tracking = None if finished else tracking
         return finished
 
     def start(self, partition: dict[str, Any], facts: dict[str, Any]) -> None:
-        """A run (re)starts: clear the end markers, write the environment, the partition and ``run.json``."""
+        """A run (re)starts: write its config, clear the end markers, write the environment, the partition and
+        ``run.json``."""
+        if self._config is not None:  # rounds may have changed (an extended run): written once the resume is checked
+            atomic_write_text(self.path / "config.toml", self._config)
         (self.path / DONE).unlink(missing_ok=True)
         (self.path / DIVERGED).unlink(missing_ok=True)
         write_json(self.path / "env.json", environment())
@@ -253,6 +285,7 @@ class RunDir:
         ``mark_done``, ``wait`` and ``release``. Once written, the rows up to round t are final: the trackers get
         them (``Tracking.publish``) at that wait."""
         self.wait()
+        extra = {**extra, "identity": self.identity} if self.identity is not None else extra
         cap = checkpoint.capture(self.path, t, server, store, self.journal, extra)
         self.journal = cap.journal
         self._writing = threading.Thread(target=self._write, args=(cap,), name="hafedho-checkpoint", daemon=True)
@@ -282,13 +315,43 @@ class RunDir:
 
     def resume(self, server: Any, store: ClientStore) -> tuple[int, Any, float]:
         """``(first round to run, server state, wall seconds so far)`` from the checkpoint, the client states
-        restored into ``store``; ``(1, server, 0.0)`` when there is none."""
+        restored into ``store``; ``(1, server, 0.0)`` when there is none.
+
+        Call it before ``start``: every field of the checkpoint is checked against this run first (its identity,
+        its round against the rows, the server tensors, the store's clients, shapes and dtypes, the wall time), so
+        a foreign or corrupt checkpoint ends in one line with nothing in the directory changed."""
         if not self.checkpoint_path.exists():
             return 1, server, 0.0
-        done_round, server, payload, extra = checkpoint.load(self.checkpoint_path, server)
+        path = self.checkpoint_path
+        done_round, server, payload, extra = checkpoint.load(path, server)
+        if not isinstance(extra, dict):
+            raise RunDirError(f"{path}: corrupt checkpoint (extra is {type(extra).__name__}); start over with --force")
+        saved = extra.get("identity")  # checkpoints written before it carry none: accepted
+        if saved is not None and self.identity is not None and saved != self.identity:
+            raise RunDirError(
+                f"{path}: written by another run (experiment {_field(saved, 'experiment')}, seed "
+                f"{_field(saved, 'seed')}), not by this one (experiment {self.identity['experiment']}, seed "
+                f"{self.identity['seed']}): restore this run's own checkpoint.pt, or start over with --force"
+            )
+        rows = self.rows()
+        have = int(rows[-1]["round"]) if rows else 0
+        if done_round > have:
+            raise RunDirError(
+                f"{path}: checkpoint of round {done_round}, yet metrics.jsonl ends at round {have}: restore "
+                "metrics.jsonl, or recompute the run from round 1 with --force"
+            )
+        wall = extra.get("wall_s", 0.0)
+        if isinstance(wall, bool) or not isinstance(wall, int | float) or not math.isfinite(wall) or wall < 0:
+            raise RunDirError(f"{path}: corrupt checkpoint (wall_s {wall!r}); start over with --force")
+        clients = extra.get("store_clients", store.num_clients)
+        if store.leaves and clients != store.num_clients:
+            raise RunDirError(
+                f"{path}: its client store holds {clients!r} clients, this run has {store.num_clients}: written by "
+                "another experiment; start over with --force"
+            )
         if store.leaves:
             self.journal = checkpoint.restore_store(self.path, store, payload, extra)
-        return done_round + 1, server, float(extra.get("wall_s", 0.0))
+        return done_round + 1, server, float(wall)
 
     def discard_unstarted(self) -> None:
         """Delete the directory of a run this process created that failed before logging a row."""
@@ -306,3 +369,29 @@ class RunDir:
 
     def mark_diverged(self, text: str) -> None:
         atomic_write_text(self.path / DIVERGED, text + "\n")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during a run, in either runtime; the message says which round ``--resume`` continues
+    from (``interrupted_text``)."""
+
+
+def interrupted_text(run_dir: Path) -> str:
+    """Where a Ctrl-C left the run: the last logged round and the checkpoint ``--resume`` continues from."""
+    try:
+        rows = read_metrics(run_dir)
+    except RunDirError:
+        rows = []
+    try:
+        ckpt = int(torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)["round"])
+    except Exception:  # no checkpoint yet, or one being replaced: resume starts over / from the older one
+        ckpt = 0
+    done = rows[-1]["round"] if rows else 0
+    if ckpt >= done:
+        how = f"it continues after round {ckpt}" if ckpt else "it starts at round 1"
+    elif ckpt:
+        redo = f"round {done} is" if done == ckpt + 1 else f"rounds {ckpt + 1}-{done} are"
+        how = f"from the checkpoint of round {ckpt}; {redo} recomputed identically"
+    else:
+        how = "no checkpoint yet: it starts over at round 1"
+    return f"{run_dir}: interrupted at round {done}; continue with --resume ({how})"

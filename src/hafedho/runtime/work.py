@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 from hafedho.core import ClientInfo, ClientResult, FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.aggregate import add_stacked_or_each
+from hafedho.core.algorithm import ConfigError
 from hafedho.core.seeds import seed_for
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.runtime.store import ClientStore
@@ -28,16 +29,28 @@ class CohortResult:
 class CohortStream:
     """Folds clients' results into the aggregator, metric sums and byte count, in cohort order: one client at a
     time (``add``) or a stacked chunk of the cohort at once (``add_stacked``). Metric sums stay float64 tensors on
-    the uploads' device until ``result``, so a round syncs with the host once, not once per client."""
+    the uploads' device until ``result``, so a round syncs with the host once, not once per client.
 
-    def __init__(self, alg: FedAlgorithm, size: int) -> None:
+    Each upload is checked against ``like`` (the algorithm's upload template, when given; else the round's first
+    upload): same tree, shapes and dtypes, as Flower's codec checks a reply; a mismatch would otherwise broadcast
+    into the model. The weights are
+    checked at ``result``: finite, none negative, a positive sum (a zero sum leaves the model where it is)."""
+
+    def __init__(self, alg: FedAlgorithm, size: int, like: Any = None) -> None:
         self.agg = alg.new_aggregator()
+        self.name = type(alg).__name__
         self.size = size
         self.sums: dict[str, Any] = {}
         self.like: Any = None
         self.bytes_up = 0
+        self.expected = None if like is None else _leaf_specs(like)
+        self.expected_paths: list[str] = [] if like is None else _leaf_paths(like)
+        self.wmin: torch.Tensor | None = None  # float64 on the weights' device: no host sync per client
+        self.wsum: torch.Tensor | None = None
 
     def add(self, upload: Any, weight: Any, metrics: dict[str, Any]) -> None:
+        self._check(upload, stacked=False)
+        self._weights(torch.as_tensor(weight).detach().to(torch.float64).reshape(-1))
         self.agg.add(tree.detach(upload), weight)
         self.like = upload
         self.bytes_up += tree.num_bytes(upload)
@@ -46,6 +59,8 @@ class CohortStream:
 
     def add_stacked(self, uploads: Any, weights: torch.Tensor, metrics: dict[str, Any]) -> None:
         """c clients' results at once: leaves ``[c, ...]``, weights and metrics ``[c]``."""
+        self._check(uploads, stacked=True)
+        self._weights(torch.as_tensor(weights).detach().to(torch.float64).reshape(-1))
         uploads = tree.detach(uploads)
         add_stacked_or_each(self.agg, uploads, weights)
         self.like = pytree.tree_map(lambda t: t[0], uploads)
@@ -53,12 +68,68 @@ class CohortStream:
         for k, v in metrics.items():
             self._sum(k, torch.as_tensor(v).detach().to(torch.float64).sum())
 
+    def _check(self, upload: Any, stacked: bool) -> None:
+        """The upload's tree, leaf shapes (without the stacked axis) and dtypes against the template's; without a
+        template, the round's first upload is it (uploads of one round never broadcast into each other)."""
+        got = _leaf_specs(upload, stacked)
+        if self.expected is None:
+            self.expected, self.expected_paths = got, _leaf_paths(upload)
+            return
+        if got == self.expected:
+            return
+        if got[0] != self.expected[0]:
+            paths, want = _leaf_paths(upload), self.expected_paths
+            diff = [f"lacks {p}" for p in want if p not in paths] + [f"has extra {p}" for p in paths if p not in want]
+            raise ConfigError(
+                f"algorithm {self.name}: a client's upload {', '.join(diff) or 'has another tree'} (expected leaves "
+                f"{', '.join(want)}); every client_update must return an Upload of one form"
+            )
+        for i, (g, e) in enumerate(zip(got[1], self.expected[1], strict=True)):
+            if g != e:
+                raise ConfigError(
+                    f"algorithm {self.name}: upload leaf {_leaf_paths(upload)[i]} is {g[1]}{list(g[0])}, expected "
+                    f"{e[1]}{list(e[0])}; every client's upload must have the template's shapes and dtypes (one "
+                    "of another shape would broadcast into the model)"
+                )
+
+    def _weights(self, w: torch.Tensor) -> None:
+        if w.numel() == 0:
+            return
+        lo, total = w.min(), w.sum()
+        if self.wmin is None or self.wsum is None:
+            self.wmin, self.wsum = lo, total
+        else:
+            self.wmin = torch.minimum(self.wmin, lo.to(self.wmin.device))
+            self.wsum = self.wsum + total.to(self.wsum.device)
+
     def _sum(self, key: str, value: torch.Tensor) -> None:
         self.sums[key] = value if key not in self.sums else self.sums[key] + value.to(self.sums[key].device)
 
     def result(self) -> CohortResult:
+        if self.wmin is not None and self.wsum is not None:
+            lo, total = torch.stack([self.wmin, self.wsum.to(self.wmin.device)]).tolist()
+            if not (lo >= 0 and 0 < total < float("inf")):  # a NaN fails every comparison
+                raise ConfigError(
+                    f"algorithm {self.name}: client weights must be finite and non-negative with a positive sum "
+                    f"(got min {lo:g}, sum {total:g}); return e.g. info.num_examples or 1.0 as each client's weight"
+                )
         n = max(self.size, 1)
         return CohortResult(self.agg.result(self.like), {k: float(v) / n for k, v in self.sums.items()}, self.bytes_up)
+
+
+def _leaf_specs(upload: Any, stacked: bool = False) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
+    """``(tree structure, [(shape, dtype) per leaf])``; ``stacked`` drops each leaf's leading client axis."""
+    leaves, spec = pytree.tree_flatten(upload)
+    shapes = [
+        (tuple(t.shape[1:] if stacked else t.shape), t.dtype) if isinstance(t, torch.Tensor) else ((), type(t))
+        for t in leaves
+    ]
+    return spec, shapes
+
+
+def _leaf_paths(upload: Any) -> list[str]:
+    """Each leaf of an upload by its path, e.g. ``.delta['fc.weight']``."""
+    return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(upload)[0]]
 
 
 @dataclass(frozen=True)
@@ -79,7 +150,29 @@ class RoundWork:
         torch.manual_seed(seed_for(self.seed, "client_torch", self.rnd.round, cid))
         data = self.fed.client_data(self.seed, self.rnd.round, cid, self.plan, full=self.alg.needs_full_pass)
         info = self.fed.client_info(cid) if info is None else info
-        return self.alg.client_update(self.msg, state, data, info, self.rnd, self.model)
+        return client_result(self.alg, self.alg.client_update(self.msg, state, data, info, self.rnd, self.model))
+
+
+def client_result(alg: FedAlgorithm, res: Any) -> ClientResult:
+    """``client_update``'s return checked (a ``ClientResult``, or one line naming the algorithm and what it
+    returned), its Python-number weight and metrics made float64 tensors, as the aggregator would make them (a
+    vmapped call must return tensors). Tensors pass untouched."""
+    if not (isinstance(res, tuple) and all(hasattr(res, f) for f in ClientResult._fields)):
+        what = f"a tuple of {len(res)}" if type(res) is tuple else type(res).__name__
+        raise ConfigError(
+            f"algorithm {type(alg).__name__}: client_update returned {what}; it must return "
+            "ClientResult(upload, weight, state, metrics) (hafedho.core.ClientResult)"
+        )
+    if not isinstance(res.metrics, dict):
+        raise ConfigError(
+            f"algorithm {type(alg).__name__}: client_update's metrics are {type(res.metrics).__name__}; return a "
+            "dict of scalars, e.g. {'train/loss': loss} or {}"
+        )
+    if isinstance(res.weight, (int, float)) or any(isinstance(v, (int, float)) for v in res.metrics.values()):
+        dev = next((t.device for t in pytree.tree_leaves(res.upload) if isinstance(t, torch.Tensor)), None)
+        as_t = lambda v: torch.tensor(float(v), dtype=torch.float64, device=dev) if isinstance(v, (int, float)) else v
+        res = res._replace(weight=as_t(res.weight), metrics={k: as_t(v) for k, v in res.metrics.items()})
+    return res
 
 
 class Engine(Protocol):

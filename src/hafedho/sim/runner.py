@@ -17,21 +17,16 @@ from tqdm import tqdm
 from hafedho.core import ConfigError, tree
 from hafedho.core.device import describe, free_bytes, precision, resolve_device
 from hafedho.experiment import Experiment
-from hafedho.runfiles import RunDirError, read_metrics
 from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
-from hafedho.runtime.rundir import RunDir
+from hafedho.runtime.rundir import Interrupted, RunDir, interrupted_text
 from hafedho.runtime.store import ClientStore, placement
 from hafedho.runtime.work import Engine, RoundWork, available_cores
 from hafedho.sim.engines.make import engine_for, engine_label
 from hafedho.sim.fullgrad import fresh, params_dtype, prepare_round
 
-__all__ = ["Divergence", "Interrupted", "run"]  # Divergence: raised by run(), so callers catch it from here
+__all__ = ["Divergence", "Interrupted", "run"]  # raised by run(), so callers catch them from here
 
 DATA_ON_GPU_SHARE = 0.25  # the data moves to the GPU while its arrays take at most this share of the GPU's memory
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a run; the message says which round ``--resume`` continues from."""
 
 
 def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool = False, progress: bool = True) -> dict:
@@ -59,7 +54,7 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
                 return _run(exp, rd, resume, force, progress, engine, device)
         except KeyboardInterrupt:
             rd.wait()  # the checkpoint being written, if any, is the one --resume continues from
-            raise Interrupted(_interrupted_text(rd.path)) from None
+            raise Interrupted(interrupted_text(rd.path)) from None
         except Divergence:
             raise  # its marker and checkpoint stay
         except torch.cuda.OutOfMemoryError:
@@ -87,27 +82,6 @@ def _out_of_memory_text(device: torch.device, run_dir: Path) -> str:
         f"{run_dir.name}: out of GPU memory on {device}{held}: run fewer runs on this GPU at once (sweep --jobs), "
         "set vmap_chunk, client_store=memory, or device=cpu; --resume continues from the last checkpoint"
     )
-
-
-def _interrupted_text(run_dir: Path) -> str:
-    """Where a Ctrl-C left the run: the last logged round and the checkpoint ``--resume`` continues from."""
-    try:
-        rows = read_metrics(run_dir)
-    except RunDirError:
-        rows = []
-    try:
-        ckpt = int(torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)["round"])
-    except Exception:  # no checkpoint yet, or one being replaced: resume starts over / from the older one
-        ckpt = 0
-    done = rows[-1]["round"] if rows else 0
-    if ckpt >= done:
-        how = f"it continues after round {ckpt}" if ckpt else "it starts at round 1"
-    elif ckpt:
-        redo = f"round {done} is" if done == ckpt + 1 else f"rounds {ckpt + 1}-{done} are"
-        how = f"from the checkpoint of round {ckpt}; {redo} recomputed identically"
-    else:
-        how = "no checkpoint yet: it starts over at round 1"
-    return f"{run_dir}: interrupted at round {done}; continue with --resume ({how})"
 
 
 class _Threads:
@@ -152,8 +126,8 @@ def _run(
     if progress:
         tqdm.write(f"{cfg.run_name}: {where}")
     facts = {"device": describe(device), "engine": label, "precision": cfg.precision, "client_store": place}
+    start, server, wall = rd.resume(server, store) if resume else (1, server, 0.0)  # checked before any write
     rd.start(exp.partition, run_facts(exp, warn=lambda text: tqdm.write(f"warning: {text}"), **facts))
-    start, server, wall = rd.resume(server, store) if resume else (1, server, 0.0)
     rd.truncate(start - 1)  # rounds after the checkpoint are recomputed identically
 
     server_rounds = ServerRounds(exp, server, rd, start, wall)

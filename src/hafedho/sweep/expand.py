@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -236,7 +237,7 @@ def _derived_variant(var: dict[str, Any], where: str, derived: dict[str, tuple[s
     if row["of"] in derived:
         raise ConfigError(f"{where}: of = {row['of']!r} is given twice; keep one derived variant per row")
     fn = import_reference(f"{where}: derive", row["derive"], ConfigError)
-    if not callable(fn):
+    if not inspect.isfunction(fn):  # a def of the user's (refs: never a builtin), called with the run's config
         raise ConfigError(f"{where}: derive = {row['derive']!r} is not a function of the run's config")
     derived[row["of"]] = (var["label"], fn)  # type: ignore[assignment]
 

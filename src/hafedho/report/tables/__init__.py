@@ -9,6 +9,7 @@ comes last.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from hafedho.config import ConfigError
@@ -54,7 +55,7 @@ def builder(entry: Builder | str) -> Builder:
     """A ``TABLES`` entry or a ``[report] tables`` reference as the builder it names."""
     if not isinstance(entry, str):
         return entry
-    fn = import_reference("report.tables", entry, ConfigError)
-    if not callable(fn):
+    fn = import_reference("report.tables", entry, ConfigError, from_folder=True)  # a results folder names it
+    if not inspect.isfunction(fn):
         raise ConfigError(f"report.tables: {entry!r} is not a table builder (Layout -> list[Table])")
     return fn  # type: ignore[return-value]

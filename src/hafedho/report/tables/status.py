@@ -9,7 +9,8 @@ from hafedho.report.table import Cell, Table
 
 
 def status_table(section: Section) -> Table:
-    """How many runs are done, diverged, incomplete or not started; diverged, failed and left-out runs by name; and
+    """How many runs are done, diverged, incomplete or not started; diverged, failed and left-out runs (no row, or
+    a bad metrics.jsonl: one damaged run never stops the report of the others) by name; and
     how many ran at each precision when any did not run at the default fp32 (``core.device``)."""
     runs = [r for g in section.groups for r in g.runs]
     counts = {k: sum(r.status == k for r in runs) for k in ("done", "diverged", "incomplete", "missing")}
@@ -21,7 +22,10 @@ def status_table(section: Section) -> Table:
         rows.append([Cell("failed (last sweep)"), Cell(str(len(section.failed)))])
     if section.left_out:
         rows.append([Cell("left out (no metrics row)"), Cell(str(len(section.left_out)))])
+    if section.unreadable:
+        rows.append([Cell("left out (bad metrics.jsonl)"), Cell(str(len(section.unreadable)))])
     details = [f"{r.dir.name}: {r.message}" for r in runs if r.status == "diverged"]
     details += [f"{name}: failed: {msg}" for name, msg in section.failed.items()]
     details += [f"{name}: left out: {why}" for name, why in section.left_out.items()]
+    details += [f"{name}: left out: {why}" for name, why in section.unreadable.items()]
     return Table("status", "Run status", ["status", "runs"], rows, "\n".join(details))

@@ -82,7 +82,7 @@ def user_engine(ref: str, options: Mapping[str, int]) -> Engine:
     """The engine ``ref`` names, built with the options its constructor takes (see the module docstring); every
     failure is one ``ConfigError`` naming the reference and the fix."""
     factory = import_reference("engine", ref, ConfigError)
-    if not callable(factory):
+    if not inspect.isclass(factory):  # the user's class (refs: never the standard library's), built here
         raise ConfigError(f"engine={ref!r}: names an object of type {type(factory).__name__}, not a class; {PROTOCOL}")
     try:
         params = inspect.signature(factory).parameters

@@ -31,7 +31,7 @@ import torch
 
 from hafedho.core.seeds import seed_for
 from hafedho.runtime.store import ClientStore
-from hafedho.runtime.work import CohortResult, CohortStream, RoundWork
+from hafedho.runtime.work import CohortResult, CohortStream, RoundWork, client_result
 
 
 class VmapEngine:
@@ -59,7 +59,11 @@ class VmapEngine:
             return stream.result()
         work.model.train()
         # msg, rnd and model are shared; state, data and info carry the client dimension
-        fn = torch.func.vmap(alg.client_update, in_dims=(None, 0, 0, 0, None, None), randomness="different")
+        fn = torch.func.vmap(
+            lambda *args: client_result(alg, alg.client_update(*args)),
+            in_dims=(None, 0, 0, 0, None, None),
+            randomness="different",
+        )
         size = self.chunk or min(self.fits or len(cids), len(cids))
         start, k = 0, 0
         while start < len(cids):
