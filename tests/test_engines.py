@@ -23,11 +23,12 @@ from torch import nn
 from hafedho.algorithms import REGISTRY
 from hafedho.algorithms.fedavg import Broadcast, FedAvg
 from hafedho.config import Config, load_config
-from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, FunctionalModel, RoundInfo
+from hafedho.core import ClientData, ClientInfo, ClientResult, ConfigError, FunctionalModel, RoundInfo, hp
 from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.engine_registry import ENGINES, OPTIONS
 from hafedho.experiment import build
 from hafedho.models import build_model, cnn
+from hafedho.runfiles import read_metrics
 from hafedho.runtime import work as base
 from hafedho.runtime.store import ClientStore
 from hafedho.runtime.work import RoundWork
@@ -373,3 +374,47 @@ def test_every_registered_engine_builds_from_a_config(name: str) -> None:
         for opt, kw in ENGINES[name].options.items():  # each option reaches the engine under its keyword
             value = getattr(eng, kw, None) if name != "auto" else eng.options[kw]
             assert value == getattr(cfg, opt), (opt, kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KilledOnce(FedAvg):
+    """FedAvg whose worker process is killed (``os._exit``) at its first client of round 2, once: the flag file,
+    made before it exits, lets the resumed run pass (the uninterrupted run's flag is made beforehand)."""
+
+    name = "killedonce"
+    flag: str = hp("", "a file whose absence kills the worker in round 2")
+
+    def client_update(self, msg, state, data, info, rnd, model):
+        if rnd.round == 2 and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os._exit(9)
+        return super().client_update(msg, state, data, info, rnd, model)
+
+
+def test_a_killed_worker_ends_in_one_line_and_the_run_resumes_exactly(
+    tmp_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker killed mid-round (exit code 9) is no error of the run's: one line naming it and the round --resume
+    continues from; the resumed run equals an uninterrupted one bit for bit (rows, wall time aside)."""
+    import hafedho
+    from hafedho.algorithms import REGISTRY
+    from hafedho.cli import main
+
+    hafedho.register(KilledOnce)
+    request.addfinalizer(lambda: REGISTRY.pop(KilledOnce.name))
+    (tmp_path / "done.flag").touch()
+    args = ["smoke", "algorithm.name=killedonce", "engine=process", "workers=2", "rounds=3", "checkpoint_every=1"]
+    assert (
+        main(["run", *args, f"algorithm.flag={tmp_path / 'done.flag'}", "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    )
+    killed = [*args, f"algorithm.flag={tmp_path / 'kill.flag'}", "--out", str(tmp_path / "b"), "--quiet"]
+    assert main(["run", *killed]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "died (exit code 9) in round 2; " in err and "interrupted at round 1; continue with --resume" in err, err
+    (run_b,) = (p for p in (tmp_path / "b").iterdir() if not p.name.startswith("."))  # .locks aside
+    assert [r["round"] for r in read_metrics(run_b)] == [1]
+    assert main(["run", *killed, "--resume"]) == 0
+    (run_a,) = (p for p in (tmp_path / "a").iterdir() if not p.name.startswith("."))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+    assert strip(read_metrics(run_b)) == strip(read_metrics(run_a)) and len(read_metrics(run_a)) == 3

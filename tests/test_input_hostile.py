@@ -420,3 +420,16 @@ def test_a_run_with_a_bad_metric_value_is_left_out_of_the_report(
     assert "Traceback" not in err
     md = (rep / "results.md").read_text()
     assert "| left out (bad metrics.jsonl) | 1 |" in md and "| done | 1 |" in md
+
+
+def test_a_loader_returning_lists_is_one_line() -> None:
+    """A user loader that builds its Dataset from Python lists gets the field and the fix, not an AttributeError."""
+    from hafedho.data.dataset import Dataset
+    from hafedho.data.safe_pickle import DataError
+
+    x, y = np.zeros((2, 2), np.float32), np.array([0, 1])
+    with pytest.raises(DataError, match=r"^mine: x_train is a list, not a NumPy array; return np\.asarray"):
+        Dataset("mine", [[0.0, 1.0], [1.0, 0.0]], y, x, y, 2)  # type: ignore[arg-type]
+    with pytest.raises(DataError, match=r"^mine: y_test is a list"):
+        Dataset("mine", x, y, x, [0, 1], 2)  # type: ignore[arg-type]
+    assert Dataset("mine", x, y, x, y, 2).num_classes == 2

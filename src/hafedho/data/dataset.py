@@ -57,6 +57,15 @@ class Dataset:
     info: str = ""
 
     def __post_init__(self) -> None:
+        arrays = {"x_train": self.x_train, "y_train": self.y_train, "x_test": self.x_test, "y_test": self.y_test}
+        if self.groups is not None:
+            arrays["groups"] = self.groups
+        for field, value in arrays.items():  # a loader of one's own may hand lists or tensors: say which, in one line
+            if not isinstance(value, np.ndarray):
+                raise DataError(
+                    f"{self.name}: {field} is a {type(value).__name__}, not a NumPy array; return np.asarray(...) "
+                    "from the loader (features float32 or uint8, labels int64)"
+                )
         n = len(self.x_train)
         if self.y_train.shape != (n,) or self.y_test.shape != (len(self.x_test),):
             raise DataError(f"{self.name}: features and labels disagree in length")

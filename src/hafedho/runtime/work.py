@@ -19,6 +19,12 @@ from hafedho.data.federated import BatchPlan, FederatedData
 from hafedho.runtime.store import ClientStore
 
 
+class WorkerLost(RuntimeError):
+    """An engine's worker process ended in the middle of a round (killed, out of memory) or its connection was lost:
+    nothing the run's code did, and ``--resume`` continues from the last checkpoint (the runner says so in one
+    line). A client update that raised is another error, whose traceback the engine keeps."""
+
+
 @dataclass
 class CohortResult:
     aggregate: Any  # the aggregated upload, None if nobody reported

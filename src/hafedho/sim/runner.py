@@ -17,10 +17,11 @@ from tqdm import tqdm
 from hafedho.core import ConfigError, tree
 from hafedho.core.device import describe, free_bytes, precision, resolve_device
 from hafedho.experiment import Experiment
+from hafedho.runfiles import RunDirError
 from hafedho.runtime.rounds import BLOWUP_ROUNDS, Divergence, ServerRounds, run_facts
 from hafedho.runtime.rundir import Interrupted, RunDir, interrupted_text
 from hafedho.runtime.store import ClientStore, placement
-from hafedho.runtime.work import Engine, RoundWork, available_cores
+from hafedho.runtime.work import Engine, RoundWork, WorkerLost, available_cores
 from hafedho.sim.engines.make import engine_for, engine_label
 from hafedho.sim.fullgrad import fresh, params_dtype, prepare_round
 
@@ -57,6 +58,9 @@ def run(exp: Experiment, run_dir: str | Path, resume: bool = False, force: bool 
             raise Interrupted(interrupted_text(rd.path)) from None
         except Divergence:
             raise  # its marker and checkpoint stay
+        except WorkerLost as e:  # a killed worker: the run is as resumable as after a Ctrl-C
+            rd.wait()
+            raise RunDirError(f"{e}; {interrupted_text(rd.path)}") from None
         except torch.cuda.OutOfMemoryError:
             if fresh:
                 rd.discard_unstarted()

@@ -43,7 +43,7 @@ from hafedho.core import FedAlgorithm, FunctionalModel, RoundInfo, tree
 from hafedho.core.tree import Params
 from hafedho.data.federated import FederatedData
 from hafedho.runtime.store import ClientStore
-from hafedho.runtime.work import CohortResult, CohortStream, RoundWork, available_cores
+from hafedho.runtime.work import CohortResult, CohortStream, RoundWork, WorkerLost, available_cores
 
 IN_FLIGHT = 2  # clients queued per worker, so a worker never waits for the parent between clients
 WINDOW = 4  # per worker: how far dispatch may run ahead of the oldest unfinished client (bounds the buffer)
@@ -51,6 +51,10 @@ WINDOW = 4  # per worker: how far dispatch may run ahead of the oldest unfinishe
 
 class WorkerError(RuntimeError):
     """A client update failed in a worker process (the message carries the worker's traceback)."""
+
+
+class WorkerDied(WorkerError, WorkerLost):
+    """A worker process ended mid-round (killed, out of memory): the run can be resumed (``WorkerLost``)."""
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -312,7 +316,7 @@ class ProcessEngine:
                 if ready in sentinels:
                     p = sentinels[ready]
                     p.join(timeout=1)  # reap it, for the exit code
-                    raise WorkerError(f"worker process {p.name} died (exit code {p.exitcode}) in round {rnd.round}")
+                    raise WorkerDied(f"worker process {p.name} died (exit code {p.exitcode}) in round {rnd.round}")
                 try:
                     out = loads(ready.recv_bytes())
                 except (EOFError, OSError):
@@ -321,8 +325,8 @@ class ProcessEngine:
                     p.join(timeout=5)
                     if p.exitcode is not None:
                         msg = f"worker process {p.name} died (exit code {p.exitcode}) in round {rnd.round}"
-                        raise WorkerError(msg) from None
-                    raise WorkerError(f"lost the connection to a worker process in round {rnd.round}") from None
+                        raise WorkerDied(msg) from None
+                    raise WorkerDied(f"lost the connection to a worker process in round {rnd.round}") from None
                 if out[0] == "error":
                     raise WorkerError(f"round {rnd.round}, {out[2]}")
                 busy[index[ready]] -= 1
