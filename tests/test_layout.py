@@ -317,16 +317,12 @@ def study_vocabulary() -> tuple[list[str], list[str]]:
     plugin's word for its derived row (the paper's "twin"); and as fragments, each plugin's package and the
     packages it was known by (``renamed``: ``hafedho.paper``), and every diagnostic metric prefix an algorithm
     names for its estimate (``diag/h_``, ``Diagnostics.name``)."""
-    from importlib import metadata
-
     from hafedho.algorithms import REGISTRY
     from hafedho.core import Diagnostics
-    from hafedho.core.plugins import plugins
+    from hafedho.core.plugins import packages, plugins
     from hafedho.core.refs import import_reference
 
-    names, fragments = sorted(REGISTRY), []
-    for ep in metadata.entry_points(group="hafedho.plugins"):
-        fragments.append(ep.value.partition(":")[0].split(".")[0] + ".")
+    names, fragments = sorted(REGISTRY), [f"{top}." for top in packages()]
     for plugin in plugins().values():
         fragments += [f"{old}." for old in plugin.renamed]
     study = import_reference("test", "hafedho_paper.study:REPORT", ValueError)

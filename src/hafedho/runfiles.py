@@ -48,15 +48,25 @@ class RunDirError(ValueError):
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 where the platform has none: ``open_no_link`` checks by lstat/fstat
 
 
+def link_error(path: Path, what: str, fix: str = "remove it, then run again") -> RunDirError:
+    """The one line for a symbolic link found where a run writes ``what``."""
+    return RunDirError(f"{path} is a symbolic link, not {what}; nothing is written through it: {fix}")
+
+
+def refuse_link(path: Path, what: str, fix: str = "remove it, then run again") -> None:
+    """Refuse a symbolic link at ``path``, to a file or a folder (``link_error``): nothing is written through one,
+    so a planted link never sends a write outside the run's folders."""
+    if path.is_symlink():
+        raise link_error(path, what, fix)
+
+
 def no_link(path: Path, what: str, fix: str = "remove it, then run again") -> None:
-    """Refuse ``path`` when it is a symbolic link (or exists and is no regular file): nothing is written through
-    one, so a planted link never sends a write outside the run's folders."""
+    """``refuse_link``, and refuse anything else but a regular file at ``path`` (a missing one is fine)."""
+    refuse_link(path, what, fix)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if stat.S_ISLNK(st.st_mode):
-        raise RunDirError(f"{path} is a symbolic link, not {what}; nothing is written through it: {fix}")
     if not stat.S_ISREG(st.st_mode):
         raise RunDirError(f"{path} is not a regular file, not {what}: {fix}")
 
@@ -69,7 +79,7 @@ def open_no_link(path: Path, flags: int, what: str, fix: str = "remove it, then 
         fd = os.open(path, flags | NOFOLLOW, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:  # a link planted after the lstat
-            raise RunDirError(f"{path} is a symbolic link, not {what}; nothing is written through it: {fix}") from None
+            raise link_error(path, what, fix) from None
         raise named(e, path) from None
     st = os.fstat(fd)
     try:
@@ -236,11 +246,7 @@ class RunLock:
 
     def __enter__(self) -> bool:
         folder = self.path.parent
-        if folder.is_symlink():
-            raise RunDirError(
-                f"{folder} is a symbolic link, not the run lock folder; nothing is written through it: remove it, "
-                "then run again"
-            )
+        refuse_link(folder, "the run lock folder")
         make_folder(folder)
         try:
             import fcntl

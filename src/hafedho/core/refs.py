@@ -85,7 +85,7 @@ def import_reference(key: str, ref: str, error: type[Exception], *, from_folder:
     try:
         mod = _import(module)
     except ModuleNotFoundError as e:
-        if e.name and (module == e.name or module.startswith(f"{e.name}.")):
+        if _is_missing(e, module):
             raise error(f"{key}={ref!r}: module {e.name!r} not found; {FIX}") from None
         raise error(f"{key}={ref!r}: importing {module!r} failed: {e}; install what it imports") from None
     except Exception as e:  # the user's module raised while importing: say so in one line, never a traceback
@@ -178,11 +178,16 @@ def _import(module: str) -> object:
     except ModuleNotFoundError as e:
         from hafedho.core.plugins import renamed  # entry points are read only when a name is missing
 
-        if e.name and (module == e.name or module.startswith(f"{e.name}.")) and (moved := renamed(module)):
+        if _is_missing(e, module) and (moved := renamed(module)):
             try:
                 return importlib.import_module(moved)
             except ModuleNotFoundError as e2:
-                if not (e2.name and (moved == e2.name or moved.startswith(f"{e2.name}."))):
+                if not _is_missing(e2, moved):
                     raise
                 raise e from None  # missing under its new name too: say so under the name the user wrote
         raise
+
+
+def _is_missing(e: ModuleNotFoundError, module: str) -> bool:
+    """Whether ``e`` says ``module`` itself (or a package above it) is missing, not something it imports."""
+    return bool(e.name) and (module == e.name or module.startswith(f"{e.name}."))

@@ -6,7 +6,6 @@ draw); one of one's own uses ``band``, ``row_colors`` and ``finish`` below as th
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from hafedho.config import Config, ConfigError, flatten
-from hafedho.core.refs import file_name, import_reference
+from hafedho.config import Config, flatten
+from hafedho.core.refs import file_name
 from hafedho.report.layout import Layout, display
 from hafedho.report.runs import Run
 from hafedho.report.stats import accuracy_stat
+from hafedho.report.study import load_builder
 from hafedho.toml_io import is_number
 
 
@@ -306,10 +306,7 @@ def section_plots(lay: Layout, out_dir: str | Path, prefix: str = "") -> list[Pa
     made = []
     for kind, entry in {**FIGURES, **lay.section.study.figures}.items():
         if isinstance(entry, str):
-            entry = import_reference(f"report.study figures.{kind}", entry, ConfigError, from_folder=True)
-            if not inspect.isfunction(entry):
-                raise ConfigError(
-                    f"report.study figures.{kind}: not a figure builder (Layout, folder, prefix) -> paths"
-                )
+            key = f"report.study figures.{kind}"
+            entry = load_builder(key, entry, f"{key}: not a figure builder (Layout, folder, prefix) -> paths")
         made += entry(lay, out_dir, prefix)
     return made

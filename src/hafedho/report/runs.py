@@ -304,8 +304,7 @@ def _sweep_section(index_path: Path, metric: str | None, last: int | None) -> tu
     return section, used
 
 
-def _plain_section(run_dirs: list[Path], metric: str | None, last: int | None) -> Section:
-    runs = [read_run(d) for d in run_dirs]
+def _plain_section(runs: list[Run], metric: str | None, last: int | None) -> Section:
     for run in runs:
         cfg = run.config
         setting = flatten({k: v for k, v in cfg.items() if k not in ("seed", "algorithm") and k not in RUNTIME_KEYS})
@@ -351,12 +350,12 @@ def load_sections(root: str | Path, metric: str | None = None, last: int | None 
     plain, left_out, unreadable = [], {}, {}
     for d in sorted(p.parent for p in root.rglob("config.toml") if p.parent.resolve() not in used):
         try:
-            rows = report_rows(d)
+            run = read_run(d)  # its rows read once, here
         except RunDirError as e:  # a bad metrics line: this run is left out (named), never the whole report
             unreadable[str(d.relative_to(root))] = relative_paths(str(e), d, root)
             continue
-        if rows:
-            plain.append(d)
+        if run.rows:
+            plain.append(run)
         elif any((d / f).exists() for f in ("env.json", "metrics.jsonl", DONE, DIVERGED)):
             left_out[str(d.relative_to(root))] = why_no_rows(d)
     if plain:

@@ -25,7 +25,8 @@ repository) that its presets name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,3 +100,12 @@ def _kinds(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) and is_reference(v) for k, v in value.items()):
         raise ConfigError(f"{where}: a table of kind -> 'package.module:builder' references, e.g. {{mine = 'pkg.m:f'}}")
     return dict(value)
+
+
+def load_builder(key: str, ref: str, not_one: str) -> Callable[..., Any]:
+    """The table or figure builder ``ref`` names, read from a results folder (so imported only from trusted code,
+    ``core.refs.trusting``): a Python function, else ``ConfigError(not_one)``."""
+    fn = import_reference(key, ref, ConfigError, from_folder=True)
+    if not inspect.isfunction(fn):
+        raise ConfigError(not_one)
+    return fn

@@ -35,6 +35,7 @@ from hafedho.runfiles import (
     atomic_write_text,
     environment,
     read_metrics,
+    refuse_link,
     run_state,
     truncate_metrics,
     write_json,
@@ -142,11 +143,7 @@ def check_no_links(run_dir: Path) -> None:
             continue
         inner = sorted(p.iterdir()) if p.is_dir() and not p.is_symlink() else []
         for q in [p, *inner]:
-            if q.is_symlink():
-                raise RunDirError(
-                    f"{q} is a symbolic link, not a file of this run; nothing is written through it: replace it by "
-                    "the file it points to (or remove it), then --resume"
-                )
+            refuse_link(q, "a file of this run", "replace it by the file it points to (or remove it), then --resume")
 
 
 def _force_delete(run_dir: Path) -> None:

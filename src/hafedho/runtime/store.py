@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from hafedho.runfiles import RunDirError, no_link
+from hafedho.runfiles import no_link, refuse_link
 
 DISK_STORE_ABOVE = 2 * 1024**3  # client_store="auto": memory-map per-client state larger than this (in RAM)
 DEVICE_SHARE = 0.5  # client_store="auto": on the GPU while the store takes at most this share of its free memory
@@ -85,11 +85,7 @@ class ClientStore:
                 stacked = torch.empty(shape, dtype=leaf.dtype, device=self.home, pin_memory=self.pinned)
                 stacked.copy_(leaf.to(self.home).unsqueeze(0).expand(shape))
             else:
-                if self.path.is_symlink():
-                    raise RunDirError(
-                        f"{self.path} is a symbolic link, not a client-store folder; nothing is written through it: "
-                        "remove it, then run again"
-                    )
+                refuse_link(self.path, "a client-store folder")
                 self.path.mkdir(parents=True, exist_ok=True)
                 no_link(self.path / f"leaf{i}.npy", "a client-store file")  # open_memmap would write through it
                 host = leaf.cpu()

@@ -9,13 +9,12 @@ comes last.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
-from hafedho.config import ConfigError
-from hafedho.core.refs import import_reference, is_reference
+from hafedho.core.refs import is_reference
 from hafedho.report.layout import Layout
 from hafedho.report.runs import Section
+from hafedho.report.study import load_builder
 from hafedho.report.table import Table
 from hafedho.report.tables.best_hyper import best_hyper_table
 from hafedho.report.tables.final import accuracy_tables
@@ -55,7 +54,5 @@ def builder(entry: Builder | str) -> Builder:
     """A ``TABLES`` entry or a ``[report] tables`` reference as the builder it names."""
     if not isinstance(entry, str):
         return entry
-    fn = import_reference("report.tables", entry, ConfigError, from_folder=True)  # a results folder names it
-    if not inspect.isfunction(fn):
-        raise ConfigError(f"report.tables: {entry!r} is not a table builder (Layout -> list[Table])")
-    return fn  # type: ignore[return-value]
+    not_one = f"report.tables: {entry!r} is not a table builder (Layout -> list[Table])"
+    return load_builder("report.tables", entry, not_one)
