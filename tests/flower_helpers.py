@@ -31,14 +31,27 @@ class LocalGrid(Grid):
     ``fail`` maps a round to client ids whose nodes answer that round's train message with an error.
     """
 
-    def __init__(self, run_config: dict[str, Any], num_nodes: int, fail: dict[int, set[int]] | None = None) -> None:
-        self.contexts = {
-            100 + i: Context(1, 100 + i, {"partition-id": i, "num-partitions": num_nodes}, RecordDict(), run_config)
-            for i in range(num_nodes)
-        }
+    def __init__(
+        self,
+        run_config: dict[str, Any],
+        num_nodes: int,
+        fail: dict[int, set[int]] | None = None,
+        node_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.run_config, self.num_nodes, self.node_config = run_config, num_nodes, node_config or {}
+        self.contexts = {100 + i: self._context(i) for i in range(num_nodes)}
         self.fail = fail or {}
         self.sent: list[Message] = []
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # what a ServerApp process has
+
+    def _context(self, i: int) -> Context:
+        conf = {"partition-id": i, "num-partitions": self.num_nodes, **self.node_config}
+        return Context(1, 100 + i, conf, RecordDict(), self.run_config)
+
+    def restart(self, *cids: int) -> None:
+        """The SuperNodes of clients ``cids`` restart: their ``context.state`` is empty again."""
+        for cid in cids:
+            self.contexts[100 + cid] = self._context(cid)
 
     def set_run(self, run: Any) -> None:  # pragma: no cover - not used
         pass

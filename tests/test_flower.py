@@ -43,6 +43,7 @@ from hafedho.flower.client_app import app as client_app
 from hafedho.flower.common import RUN_CONFIG_DEFAULTS, config_path, experiment
 from hafedho.flower.procs import descendants
 from hafedho.flower.server_app import main as server_main
+from hafedho.flower.server_app import server_error
 from hafedho.flower.strategy import HafedhoStrategy
 from hafedho.runfiles import RunBusy, RunDirError, RunLock, read_metrics
 from hafedho.sim.runner import Interrupted
@@ -176,6 +177,24 @@ def test_a_federation_of_another_size_is_refused_before_training(
     assert "--simulation 5: the config has N=10 clients" in capsys.readouterr().err
 
 
+def test_a_server_app_error_is_one_line_in_its_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The ServerApp logs hafedho's one line (``hafedho: error: ...``) before Flower logs its traceback, and
+    ``hafedho flower run --wait`` ends with that line (``server_error``), not with the traceback around it."""
+    rc = {"hafedho-config": "smoke", "overrides": "algorithm.name=fedavg", "run-dir": str(tmp_path / "f")}
+    with pytest.raises(ConfigError):
+        server_main(LocalGrid(rc, 5), Context(1, 0, {}, RecordDict(), {**rc, "node-wait": 0.0}))
+    (line,) = [r.getMessage() for r in caplog.records if "hafedho: error: " in r.getMessage()]
+    assert "num-partitions=5 but this run has N=10 clients" in line
+    flower_log = (
+        "INFO :      [ROUND 1/2]\n"
+        f"ERROR :     {line}\n"
+        "ERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n  File ...\n"
+        "hafedho.config.ConfigError: the SuperNodes have ...\n"
+    )
+    assert server_error(flower_log) == line.split("hafedho: error: ")[1]
+    assert server_error("INFO :      all fine\n") is None
+
+
 def test_a_flower_run_takes_the_run_lock(tmp_path: Path) -> None:
     """One writer per run for Flower too: while a simulator run (or another ServerApp) holds the run's lock, a
     Flower server refuses before it writes anything; once the holder finishes, it may start."""
@@ -280,6 +299,79 @@ def test_server_app_interrupted_then_resumed(tmp_path: Path) -> None:
     assert max_abs_diff(flower_final(run_dir, exp), full.final_params()) == 0.0
 
 
+SIGTERM_SERVER_APP = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from flower_helpers import LocalGrid
+from flwr.app import Context, MessageType, RecordDict
+from flwr.supercore.telemetry import EventType
+from flwr.supercore.exit import register_signal_handlers
+from hafedho.flower.common import experiment
+from hafedho.flower.server_app import main
+
+class Grid(LocalGrid):  # SIGTERM to this process as round 3's train messages go out
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if any(m.metadata.message_type == MessageType.TRAIN and m.metadata.group_id == "3" for m in messages):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().send_and_receive(messages, timeout=timeout)
+
+rc = {rc!r}
+# what flwr-serverapp does before it calls the ServerApp (flwr/superlink/runtime/run_serverapp.py)
+register_signal_handlers(event_type=EventType.FLWR_SERVERAPP_RUN_LEAVE, exit_message="Task stopped by user.")
+main(Grid(rc, experiment(rc).fed.num_clients), Context(1, 0, {{}}, RecordDict(), rc))
+"""
+
+
+def test_server_app_sigterm(tmp_path: Path) -> None:
+    """A real SIGTERM to a ServerApp process with Flower's signal handlers (as flwr-serverapp installs them): the
+    checkpoint is waited for, the simulator's line is logged, the process exits as Flower's graceful exit does
+    (status 0); the run then resumes to the uninterrupted run's rows."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "flower"
+    rc = {
+        "hafedho-config": "smoke",
+        "overrides": "algorithm.name=fedavg rounds=4 checkpoint_every=1",
+        "run-dir": str(run_dir),
+        "node-wait": 0.0,
+        "torch-threads": 1,
+    }
+    script = SIGTERM_SERVER_APP.format(tests=str(Path(__file__).parent), rc=rc)
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "Task stopped by user." in proc.stderr, proc.stderr[-3000:]  # a graceful exit
+    assert f"{run_dir}: interrupted at round 2; continue with --resume" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert [r["round"] for r in read_metrics(run_dir)] == [1, 2] and not (run_dir / "done").exists()
+    server_main(LocalGrid(rc, 10), Context(2, 0, {}, RecordDict(), {**rc, "resume": True}))
+    full = run_local("fedavg", tmp_path / "full", "rounds=4", "checkpoint_every=1")
+    assert no_wall(read_metrics(run_dir)) == no_wall(full.rows)
+
+
+def test_a_server_app_stops_once_its_superlink_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``watch_superlink``: while the SuperLink's address accepts connections nothing happens; once it has refused
+    them for ``patience`` seconds the ServerApp gets SIGINT (the interrupted line, the lock released), where
+    Flower 1.42's would retry forever holding the run's lock. Without a SuperLink address (in process): no watch."""
+    import socket
+
+    from hafedho.flower import server_app
+
+    raised: list[int] = []
+    monkeypatch.setattr(server_app.signal, "raise_signal", raised.append)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    argv = ["flwr-serverapp", "--runtime-api-address", f"127.0.0.1:{port}", "--token", "x"]
+    watch = server_app.watch_superlink(argv, patience=0.5, every=0.05)
+    time.sleep(0.8)
+    assert watch is not None and watch.is_alive() and not raised  # the SuperLink is there
+    listener.close()
+    watch.join(timeout=10)
+    assert raised == [signal.SIGINT] and not watch.is_alive()
+    assert server_app.watch_superlink(["pytest"], patience=0.5) is None
+
+
 def test_resume_refuses_another_experiment_and_plain_runs_refuse_an_existing_directory(tmp_path: Path) -> None:
     """--resume into a directory of another seed: one line naming the key, nothing changed, the lock released;
     without --resume an existing run directory is refused as `hafedho run` refuses it."""
@@ -347,6 +439,20 @@ def test_flower_cli_writes_certificates_and_app(tmp_path: Path) -> None:
         args.round_timeout == RUN_CONFIG_DEFAULTS["round-timeout"]
         and args.node_wait == RUN_CONFIG_DEFAULTS["node-wait"]
     )
+
+
+def test_flower_supernode_gets_an_absolute_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hafedho flower supernode --state-dir rel`` hands the node an absolute folder (its ClientApp processes need
+    not share its working directory)."""
+    from hafedho.flower import commands
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(commands, "_foreground", lambda argv: seen.append(argv) or 0)
+    monkeypatch.chdir(tmp_path)
+    args = ["flower", "supernode", "--superlink", "127.0.0.1:9", "--partition-id", "1", "--num-partitions", "3"]
+    assert main([*args, "--state-dir", "states"]) == 0
+    conf = seen[0][seen[0].index("--node-config") + 1]
+    assert f'state-dir="{tmp_path / "states"}"' in conf and "partition-id=1" in conf
 
 
 def test_certificates_verify_only_against_their_ca(tmp_path: Path) -> None:
@@ -468,37 +574,105 @@ def test_supernode_killed_during_a_round(tmp_path: Path, deployments) -> None:
     assert_fp32_close(final, ref, exp)
 
 
-@pytest.mark.slow
-def test_server_app_killed_and_resumed(tmp_path: Path, deployments) -> None:
-    """Kill -9 the ServerApp during round 3 of 6; `resume` into the same run directory continues from its last
-    checkpoint: rounds 1-6 once each, and the rows and final model are the simulator's (which an uninterrupted
-    deployment equals). FedAvg has no client state, so the fresh client states of the new Flower run (each run
-    submitted by `flwr run` is a new run series on the SuperNodes) do not matter."""
-    d = deployments()
-    start_federation(d, 3)
-    run_dir = tmp_path / "flower"
-    overrides = ("data.num_clients=3", "sampling.cohort_size=2", "rounds=6", "checkpoint_every=1")
-    settings = {"round-timeout": 120.0, "node-wait": 30.0}
-    first, end = d.run(EXAMPLE, run_config("fedavg", run_dir, *overrides, **settings)), time.monotonic() + 400
-    while len(read_metrics(run_dir)) < 2:  # round 2 is logged: round 3 runs
-        assert time.monotonic() < end and d.superlink.alive(), d.log(first)[-4000:]
-        time.sleep(0.2)
-    time.sleep(1.0)
-    servers = [
-        pid for pid, _ in descendants(d.superlink.pid) if b"flwr-serverapp" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+def server_apps(d: deploy.Deployment) -> list[tuple[int, int]]:
+    """The ServerApp processes the SuperLink started."""
+    family = descendants(d.superlink.pid)
+    return [p for p in family if b"flwr-serverapp" in Path(f"/proc/{p[0]}/cmdline").read_bytes()]
+
+
+def kill_server_app(d: deploy.Deployment) -> None:
+    """kill -9 every ServerApp process the SuperLink started."""
+    servers = server_apps(d)
     assert servers, d.superlink.children()
-    for pid in servers:
+    for pid, _ in servers:
         os.kill(pid, signal.SIGKILL)
-    assert len(read_metrics(run_dir)) < 6 and not (run_dir / "done").exists()
-    second = d.run(EXAMPLE, run_config("fedavg", run_dir, *overrides, **settings, resume=True))
-    finish(d, second)
+
+
+def wait_rows(d: deploy.Deployment, run_id: int, run_dir: Path, count: int, end: float) -> None:
+    while len(read_metrics(run_dir)) < count:
+        assert time.monotonic() < end and d.superlink.alive(), d.log(run_id)[-4000:]
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # a deployment of 6 rounds, two faults and a resume: 5-10 min here
+@pytest.mark.parametrize("alg", ["hafedho", "scaffold"])
+def test_a_deployment_survives_kill_9_of_a_supernode_and_of_the_server_app(
+    tmp_path: Path, deployments, alg: str
+) -> None:
+    """3 SuperNodes with a state-dir, 6 rounds of 2 clients, a checkpoint every 2 rounds. A SuperNode that trained
+    in rounds 1-2 is killed -9 after round 2 and restarted; the ServerApp is killed -9 in round 4 (round 3 logged
+    and trained on the nodes, the last checkpoint at round 2) and resumed by a new `flwr run` (a new run series:
+    every node's memory is empty). Rounds 1-6 are logged once each, no row lists a state reset, and the rows
+    and final model are the simulator's (which an uninterrupted deployment equals)."""
+    overrides = ("data.num_clients=3", "sampling.cohort_size=2", "rounds=6", "checkpoint_every=2")
+    exp, ref, sim_dir = simulate(alg, tmp_path / "sim", *overrides)
+    plan = cohorts(exp)
+    victim = next(c for c in plan[1] if c not in plan[2] and c in plan[3])  # state of round <= 2 used in round 4
+    d, conf = deployments(), {"state-dir": str(tmp_path / "node-states")}
+    d.start_superlink()
+    nodes = [d.start_supernode(i, 3, node_config=conf) for i in range(3)]
+    known = set(d.wait_for_nodes(3))
+    run_dir = tmp_path / "flower"
+    settings = {"round-timeout": 180.0, "node-wait": 60.0}
+    first, end = d.run(EXAMPLE, run_config(alg, run_dir, *overrides, **settings)), time.monotonic() + 900
+    wait_rows(d, first, run_dir, 2, end)
+    nodes[victim].stop(kill=True)  # between rounds for it: it is not in round 3's cohort
+    d.start_supernode(victim, 3, node_config=conf, name=f"supernode-{victim}-restarted")
+    while not set(deploy.online_nodes(d.env)) - known:  # the restarted node is registered before round 4
+        assert time.monotonic() < end
+        time.sleep(0.5)
+    wait_rows(d, first, run_dir, 3, end)
+    time.sleep(1.0)
+    kill_server_app(d)
+    assert not (run_dir / "done").exists()
+    second = d.run(EXAMPLE, run_config(alg, run_dir, *overrides, **settings, resume=True))
+    finish(d, second, timeout=900)
     assert "resuming" in d.log(second)
     rows = read_metrics(run_dir)
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6] and (run_dir / "done").exists()
-    exp, ref, sim_dir = simulate("fedavg", tmp_path / "sim", *overrides)
+    assert not [r for r in rows if "state_reset" in r or "dropped" in r], rows
     final = flower_final(run_dir, exp)
-    print(f"resumed deployment vs simulator max |diff| = {max_abs_diff(ref, final):.3g}")
+    print(f"{alg}: node and ServerApp killed, resumed: max |diff| from the simulator = {max_abs_diff(ref, final):.3g}")
+    assert_fp32_close(final, ref, exp)
+    assert rows_close(rows, read_metrics(sim_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_superlink_killed_and_restarted(tmp_path: Path, deployments) -> None:
+    """kill -9 the SuperLink after round 2 of 4: its ServerApp sees it gone and stops (``watch_superlink``;
+    Flower's own would retry forever, holding the run's lock). Its SuperNodes are refused by the new SuperLink
+    (an in-memory SuperLink forgets their identities: 401) and exit. A new SuperLink on the same address, the
+    SuperNodes started again with the same state-dir, and `resume` continue the run: rows 1-4 once each, equal to
+    the simulator's, SCAFFOLD's client states kept on the nodes' disks."""
+    overrides = ("data.num_clients=3", "sampling.cohort_size=2", "rounds=4", "checkpoint_every=1")
+    exp, ref, sim_dir = simulate("scaffold", tmp_path / "sim", *overrides)
+    d, conf = deployments(), {"state-dir": str(tmp_path / "node-states")}
+    d.start_superlink()
+    nodes = [d.start_supernode(i, 3, node_config=conf) for i in range(3)]
+    d.wait_for_nodes(3)
+    run_dir, settings = tmp_path / "flower", {"round-timeout": 180.0, "node-wait": 60.0}
+    first, end = d.run(EXAMPLE, run_config("scaffold", run_dir, *overrides, **settings)), time.monotonic() + 900
+    wait_rows(d, first, run_dir, 2, end)
+    old, servers = d.superlink, server_apps(d)
+    os.kill(old.pid, signal.SIGKILL)
+    while any(deploy.is_running(p) for p in servers):  # the ServerApp stops once its SuperLink is gone (30 s)
+        assert time.monotonic() < end, f"the ServerApp outlived its SuperLink: {servers}"
+        time.sleep(0.5)
+    old.stop()  # what else the SuperLink started (Flower's SuperExec outlives it)
+    assert not (run_dir / "done").exists()
+    d.start_superlink()
+    for i, node in enumerate(nodes):
+        node.stop()
+        d.start_supernode(i, 3, node_config=conf, name=f"supernode-{i}-again")
+    d.wait_for_nodes(3)
+    second = d.run(EXAMPLE, run_config("scaffold", run_dir, *overrides, **settings, resume=True))
+    finish(d, second, timeout=900)
+    rows = read_metrics(run_dir)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4] and not [r for r in rows if "state_reset" in r or "dropped" in r]
+    final = flower_final(run_dir, exp)
+    print(f"SuperLink killed and restarted: max |diff| from the simulator = {max_abs_diff(ref, final):.3g}")
     assert_fp32_close(final, ref, exp)
     assert rows_close(rows, read_metrics(sim_dir))
 

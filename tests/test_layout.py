@@ -176,6 +176,7 @@ LAYERS: list[set[str]] = [
     {"report"},
     {"api"},
     {"cli", "hafedho"},  # hafedho: the package's __init__ (hafedho.run, hafedho.register)
+    {"console"},  # the `hafedho` command's entry point
     {"__main__"},  # python -m hafedho
 ]
 

@@ -90,6 +90,16 @@ class NanMetric(FedAvg):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NarrowUpload(FedAvg):  # every client uploads linear.weight's first column only: [10, 1] for [10, 64]
+    name = "narrow_upload"
+
+    def client_update(self, msg, state, data, info, rnd, model):
+        res = super().client_update(msg, state, data, info, rnd, model)
+        delta = {k: v[:, :1] if k == "linear.weight" else v for k, v in res.upload.delta.items()}
+        return res._replace(upload=res.upload._replace(delta=delta))
+
+
+@dataclass(frozen=True, kw_only=True)
 class FloatWeight(FedAvg):
     name = "float_weight"
 
@@ -149,6 +159,18 @@ def test_a_client_update_returning_a_tuple_is_one_line(
     one_line(capsys, "algorithm TupleClient: client_update returned a tuple of 2; it must return ClientResult(")
 
 
+@pytest.mark.parametrize("engine", ["loop", "vmap"])
+def test_uploads_of_another_shape_than_their_parameter_are_one_line(
+    engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every client uploads [10, 1] for the [10, 64] weight (so the round's uploads agree with each other): refused
+    against the model's parameter of that name, before it would broadcast into the model."""
+    argv = ["run", "smoke", "algorithm.name=mymod:NarrowUpload", "model.name=logreg", f"engine={engine}"]
+    assert main([*argv, "--out", str(tmp_path), "--quiet"]) == 2
+    expected = "upload leaf .delta['linear.weight'] is torch.float32[10, 1], but parameter linear.weight is [10, 64]"
+    one_line(capsys, f"algorithm NarrowUpload: {expected}")
+
+
 def test_exceptions_in_user_code_keep_their_traceback(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="my forward broke") as info:
         build(load_config(SMOKE, ["model.name=mymod:Net", "model.options.shape=raise"]))
@@ -200,3 +222,20 @@ def test_the_forward_check_moves_nothing_and_is_cheap() -> None:
     assert time.perf_counter() - t0 < 0.1
     assert torch.equal(torch.random.get_rng_state(), state)
     assert net.training and net[0].training and not net[1].training
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.5, 1.0, 2.0])
+def test_ctrl_c_at_any_moment_of_the_start_is_one_line(tmp_path: Path, delay: float) -> None:
+    """SIGINT while torch loads, while the run is built, or once it trains: one line, no traceback (the ``hafedho``
+    command's entry point is ``hafedho.console:main``)."""
+    import signal
+    import subprocess
+
+    code = "import sys; from hafedho.console import main; sys.exit(main())"
+    argv = [sys.executable, "-c", code, "run", "smoke", "rounds=200", "--out", str(tmp_path / "out"), "--quiet"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.startswith("hafedho: ") and err.count("\n") == 1 and "Traceback" not in err, err

@@ -2,6 +2,6 @@
 
 import sys
 
-from hafedho.cli import main
+from hafedho.console import main
 
 sys.exit(main())

@@ -2,24 +2,22 @@
 
 ``train`` runs exactly the simulator's client step, ``RoundWork.client_update`` (its seeding, its data,
 ``alg.client_update``), and ``evaluate`` the simulator's ``hafedho.runtime.rounds.client_accuracy``. The client's
-``ClientState`` lives in ``context.state``, which the SuperNode keeps for the run. The node's partition (= the
-simulator's client id) and N come from its node config and are checked against what the server sends; nothing
-is guessed.
+``ClientState`` lives in the node's store (``flower/node_store.py``: ``context.state``, or on disk with the node
+config's ``state-dir``), by the round that produced it. The node's partition (= the simulator's client id) and N
+come from its node config and are checked against what the server sends; nothing is guessed.
 
 Messages (record keys):
     query     in: -                                 out: ``hafedho`` {partition-id, num-partitions}
     train     in: ``broadcast``, ``config``          out: ``upload`` (leaves of (upload, weight)), ``metrics``,
-                                                          ``hafedho`` {partition-id, server-round}
+                                                          ``hafedho`` {partition-id, server-round, state-lost}
               under SecAgg+ (``flower/secagg.py``): FitIns in, a FitRes-shaped reply that flwr's mod masks
     evaluate  in: ``server``, ``config``             out: ``metrics`` {correct, total} of the personal model
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from hafedho.config import ConfigError
@@ -29,7 +27,6 @@ from hafedho.flower import codec, secagg
 from hafedho.flower.common import (
     DATA_PATH,
     META_KEY,
-    STATE_KEY,
     broadcast_template,
     client_info,
     client_template,
@@ -39,6 +36,7 @@ from hafedho.flower.common import (
     server_template,
     set_threads,
 )
+from hafedho.flower.node_store import NodeStore
 from hafedho.runtime.rounds import client_accuracy
 from hafedho.runtime.work import RoundWork
 
@@ -69,10 +67,10 @@ def _check(exp: Experiment, context: Context, config: ConfigRecord) -> tuple[int
     return cid, n
 
 
-def _client_state(exp: Experiment, context: Context) -> Any:
-    record = context.state.get(STATE_KEY)
-    like = client_template(exp)
-    return codec.decode(record, like) if isinstance(record, ArrayRecord) else like
+def _store(exp: Experiment, context: Context, cid: int, config: ConfigRecord) -> NodeStore:
+    """Client ``cid``'s store for the run the server names (the experiment's digest and the run's token)."""
+    key = f"{digest(exp)}-{config.get('run-token', '')}"
+    return NodeStore.of(context, key, cid, client_template(exp))
 
 
 @app.query()
@@ -94,20 +92,26 @@ def train(msg: Message, context: Context) -> Message:
     rnd = RoundInfo(t, n, int(config["cohort-size"]))
     record = secagg.broadcast_record(msg) if fit else msg.content.array_records["broadcast"]
     bmsg = codec.decode(record, broadcast_template(exp))
-    state = _client_state(exp, context)
-    model.train()
-    work = RoundWork(alg, bmsg, fed, exp.plan, model, rnd, cfg.seed)  # the simulator's seeded client step
-    res = work.client_update(cid, state, client_info(exp, cid, context.node_config))
-    context.state[STATE_KEY] = codec.encode(tree.detach(res.state))
+    store = _store(exp, context, cid, config)
+    with store.writing():
+        found, state = store.load(t)
+        lost = store.lost(found, int(config.get("state-round", 0)))
+        if state is None or lost:
+            state = client_template(exp)
+        model.train()
+        work = RoundWork(alg, bmsg, fed, exp.plan, model, rnd, cfg.seed)  # the simulator's seeded client step
+        res = work.client_update(cid, state, client_info(exp, cid, context.node_config))
+        store.save(t, tree.detach(res.state), int(config.get("checkpoint-round", 0)))
     weight = torch.as_tensor(res.weight).detach()
     if fit:
         metrics = {k: float(v) for k, v in res.metrics.items()}
+        metrics[secagg.STATE_LOST] = float(lost)  # "hafedho." metrics are not averaged into the row
         return Message(secagg.fit_reply(tree.detach(res.upload), weight, config, metrics, cid), reply_to=msg)
     content = RecordDict(
         {
             "upload": codec.encode((tree.detach(res.upload), weight)),
             "metrics": MetricRecord({k: float(v) for k, v in res.metrics.items()}),
-            META_KEY: ConfigRecord({"partition-id": cid, "server-round": t}),
+            META_KEY: ConfigRecord({"partition-id": cid, "server-round": t, "state-lost": int(lost)}),
         }
     )
     return Message(content, reply_to=msg)
@@ -117,7 +121,10 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Accuracy of this client's deployed model (``alg.predict``) on its held-out local data."""
     exp = _experiment(context)
-    cid, _ = _check(exp, context, msg.content.config_records["config"])
+    config = msg.content.config_records["config"]
+    cid, _ = _check(exp, context, config)
     server = codec.decode(msg.content.array_records["server"], server_template(exp))
-    correct, total = client_accuracy(exp, server, cid, _client_state(exp, context))
+    _, state = _store(exp, context, cid, config).load(int(config["server-round"]) + 1)  # as trained in this round
+    state = client_template(exp) if state is None else state
+    correct, total = client_accuracy(exp, server, cid, state)
     return Message(RecordDict({"metrics": MetricRecord({"correct": correct, "total": total})}), reply_to=msg)

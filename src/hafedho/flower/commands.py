@@ -52,6 +52,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     n.add_argument("--root-cert", help="CA certificate to verify the SuperLink with; else --insecure")
     n.add_argument("--port", type=int, default=9094, help="this node's local Runtime API port (one per node)")
     n.add_argument("--data-path", help="this node's copy of the data (overrides data.path)")
+    n.add_argument(
+        "--state-dir",
+        help="folder of this node's client-state store: SCAFFOLD's, HaFedHo's, ... client states survive a restart "
+        "of the node and a resumed run (docs/flower.md); default: in the SuperNode's memory",
+    )
 
     r = fs.add_parser("run", help="submit a hafedho experiment to a SuperLink (`flwr run`)")
     r.add_argument("overrides", nargs="*", metavar="[CONFIG] KEY=VALUE", help="as for `hafedho run`")
@@ -127,7 +132,9 @@ def _superlink(args: argparse.Namespace) -> int:
 
 
 def _supernode(args: argparse.Namespace) -> int:
-    extra = {"data-path": args.data_path} if args.data_path else None
+    extra = {"data-path": args.data_path} if args.data_path else {}
+    if args.state_dir:  # absolute: the node's ClientApp processes need not share its working directory
+        extra["state-dir"] = str(Path(args.state_dir).resolve())
     argv = deploy.supernode_argv(
         args.superlink, args.partition_id, args.num_partitions, args.port, args.root_cert, extra
     )
@@ -136,6 +143,7 @@ def _supernode(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from hafedho.flower.common import check_deployable, config_path
+    from hafedho.flower.server_app import server_error
 
     items = list(args.overrides)
     name = items.pop(0) if items and "=" not in items[0] else "default"
@@ -171,7 +179,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"follow it with: FLWR_HOME={home} flwr log {run_id} {deploy.CONNECTION}")
         return 0
     status = deploy.wait_for_run(env, run_id, timeout=float("inf"))
-    print(deploy.run_log(env, run_id))
+    text = deploy.run_log(env, run_id)
+    reason = server_error(text) if status != "finished:completed" else None
+    if reason is not None:  # hafedho's own one line, not Flower's traceback around it
+        print(f"the ServerApp's whole log: FLWR_HOME={home} flwr log {run_id} {deploy.CONNECTION} --show")
+        raise ConfigError(f"run {run_id} {status}: {reason}")
+    print(text)
     print(f"run {run_id}: {status}")
     return 0 if status == "finished:completed" else 1
 

@@ -22,13 +22,13 @@ from hafedho.config import Config, ConfigError, canonical_json, config_path, exp
 from hafedho.core import ClientData, ClientInfo, Diagnostics, RoundInfo, tree
 from hafedho.experiment import Experiment
 from hafedho.flower.app import RUN_CONFIG_DEFAULTS  # the run config's keys and defaults, defined there
+from hafedho.runtime.work import client_result
 
 # Node-config keys (``flower-supernode --node-config``); the simulation engine sets the first two itself.
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 DATA_PATH = "data-path"  # optional: this node's copy of the data (overrides data.path)
 
-STATE_KEY = "hafedho.client_state"  # ArrayRecord of the ClientState in ``context.state``
 META_KEY = "hafedho"  # ConfigRecord with round/partition facts in every message
 
 _CACHE: dict[tuple[str, tuple[str, ...]], Experiment] = {}
@@ -126,6 +126,7 @@ def upload_template(exp: Experiment, info: ClientInfo | None = None) -> tuple[An
     data = data._replace(full=data) if alg.needs_full_pass else data  # an all-padding full pass too
     with torch.random.fork_rng():
         res = alg.client_update(msg, client_template(exp), data, info or fed.client_info(0), rnd, model)
+    res = client_result(alg, res)  # the simulator's check of what client_update returned
     return tree.detach(res.upload), torch.as_tensor(res.weight).detach()
 
 

@@ -56,6 +56,7 @@ MAX_QUANTIZATION = 2**30  # flwr rounds into int32
 FITINS_PARAMS, FITINS_CONFIG = "fitins.parameters", "fitins.config"  # flwr's legacy record keys
 WEIGHT_SCALE, CLIP = "secagg-weight-scale", "secagg-clip"  # in each FitIns config
 PID, ROUND, CLIPPED = "hafedho.partition-id", "hafedho.server-round", "hafedho.secagg-clipped"  # in FitRes.metrics
+STATE_LOST = "hafedho.state-lost"  # in FitRes.metrics: 1 when the node trained from init_client (node_store)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from hafedho.flower.secagg import (
     CLIPPED,
     PID,
     ROUND,
+    STATE_LOST,
     WEIGHT_SCALE,
     SecAggSettings,
     aggregate_error_bound,
@@ -138,7 +139,8 @@ class SecureRounds:
             log(WARNING, "round %d: aggregated %d of %d clients (SecAgg+)", t, len(used), len(cohort))
         if used:  # the quantisation bound of this round's aggregate, per entry
             extra["secagg/bound"] = self.last["bound"]
-        return st.finish_train(t, out, len(used), len(shim.fit_ins), **extra)
+        lost = self.last["lost"] if used else []  # used: _result ran for this round
+        return st.finish_train(t, out, used, len(shim.fit_ins), lost, **extra)
 
     def _result(self, t: int, shim: Any) -> tuple[CohortResult, list[int]]:
         st = self.strategy
@@ -167,7 +169,9 @@ class SecureRounds:
         metrics = {k: v / len(used) for k, v in sums.items()}
         d = delta(self.settings, len(used), self.clip)
         bound = aggregate_error_bound(d, mean_s, max(float(v.abs().max()) for v in pytree.tree_leaves(aggregate)))
+        lost = [cid for cid in used if by_cid[cid].get(STATE_LOST)]
         self.last = {"round": t, "used": used, "mean_s": mean_s, "delta": d, "bound": bound, "aggregate": aggregate}
+        self.last["lost"] = lost
         bytes_up = len(used) * tree.num_bytes(st.upload_like[0])
         return CohortResult(aggregate, metrics, bytes_up), used
 

@@ -16,12 +16,19 @@ Round t:
 Node ids are mapped to partition ids by a ``query`` message to every node not yet known; during the first
 ``node_wait`` seconds a round waits for the nodes of its cohort to connect.
 
+Client states stay on the nodes (``flower/node_store.py``). With each train message the server names the run (its
+token, drawn when the run directory is created and kept in every checkpoint), the client's last round whose upload
+was aggregated (a node holding an older state lost it: the row lists the client in ``state_reset``) and the round
+of the last checkpoint on disk (older state versions are never needed again). The checkpoint keeps the token and
+each client's last round, so a resumed ServerApp continues with the states its nodes kept.
+
 ``prepare(resume=True)`` continues a run directory from its checkpoint as ``hafedho run --resume`` does; Flower
 counts the rounds of this process from 1, so ``start`` shifts them: every method sees the run's own round numbers.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterable
 from logging import ERROR, INFO, WARNING
@@ -39,6 +46,7 @@ from hafedho.config import ConfigError
 from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, client_template, digest, upload_template
+from hafedho.runfiles import RunDirError
 from hafedho.runtime.rounds import ServerRounds, pooled_accuracy, run_facts
 from hafedho.runtime.rundir import RunDir, interrupted_text
 from hafedho.runtime.store import ClientStore
@@ -62,8 +70,11 @@ class HafedhoStrategy(Strategy):
         self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.node_wait, self.query_timeout = node_wait, query_timeout
         init = self.alg.init_server(self.model.params())
-        self.server_rounds = ServerRounds(exp, init, self.run_dir, checkpoint_extra={"engine": "flower"})
+        self.run_token = secrets.token_hex(8)  # names this run's client states on the nodes (node_store)
+        self.client_rounds = [0] * self.fed.num_clients  # client -> the last round its upload was aggregated
+        self.server_rounds = ServerRounds(exp, init, self.run_dir, checkpoint_extra=self._facts())
         self.upload_like = upload_template(exp)
+        self.param_shapes = {k: tuple(v.shape) for k, v in self.model.params().items()}
         self.digest = digest(exp)
         self.nodes: dict[int, int] = {}  # node id -> partition id (-1: the node failed to say)
         self._deadline: float | None = None
@@ -74,6 +85,27 @@ class HafedhoStrategy(Strategy):
         self._shift = 0  # Flower's round number + _shift = the run's, while ``start`` runs
         self._was_done = False  # ``prepare(resume=True)`` found the run finished: nothing to write
         self._phase = "new"  # "running" once prepared, "ended" once finished, abandoned or reported interrupted
+
+    def _facts(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides the server state, for a resumed ServerApp and its nodes."""
+        return {"engine": "flower", "run_token": self.run_token, "client_rounds": list(self.client_rounds)}
+
+    def _restore_facts(self, path: Path, facts: dict[str, Any], done: int) -> None:
+        """The run token and the clients' rounds of a checkpoint of round ``done`` (one written before they
+        existed has neither: a new token, and lost states go unnoticed until the client trains once more)."""
+        token, rounds = facts.get("run_token"), facts.get("client_rounds")
+        if token is None and rounds is None:
+            return
+        n = self.fed.num_clients
+        ok_token = isinstance(token, str) and 0 < len(token) <= 64 and all(c in "0123456789abcdef" for c in token)
+        ok_rounds = isinstance(rounds, list) and len(rounds) == n
+        ok_rounds = ok_rounds and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= done for r in rounds)
+        if not (ok_token and ok_rounds):
+            raise RunDirError(
+                f"{path}: corrupt checkpoint (its run token or its {n} clients' rounds); restore this run's own "
+                "checkpoint.pt, or start over with --force"
+            )
+        self.run_token, self.client_rounds = token, list(rounds)
 
     @property
     def server(self) -> Any:
@@ -106,6 +138,8 @@ class HafedhoStrategy(Strategy):
             start, server, wall = 1, self.server, 0.0
             if resume:  # the client states live on the nodes: the store holds none
                 start, server, wall = rd.resume(self.server, ClientStore((), self.fed.num_clients))
+                if start > 1:
+                    self._restore_facts(rd.checkpoint_path, rd.resumed_facts, start - 1)
             warn = lambda text: log(WARNING, "hafedho: %s", text)
             rd.start(self.exp.partition, run_facts(self.exp, warn, engine="flower"))
             rd.truncate(start - 1)  # rounds after the checkpoint are recomputed
@@ -114,15 +148,15 @@ class HafedhoStrategy(Strategy):
             raise
         self._phase = "running"
         if start > 1:
-            self.server_rounds = ServerRounds(self.exp, server, rd, start, wall, checkpoint_extra={"engine": "flower"})
+            self.server_rounds = ServerRounds(self.exp, server, rd, start, wall, checkpoint_extra=self._facts())
             self.first_round = start
             log(INFO, "hafedho: resuming %s after the checkpoint of round %d", rd.path, start - 1)
             if pytree.tree_leaves(client_template(self.exp)):
                 log(
-                    WARNING,
-                    "hafedho: %s keeps client state on the SuperNodes, and a resumed deployment does not get it "
-                    "back (each `flwr run` is a new run series there; so is a restarted SuperNode): its clients "
-                    "restart from init_client's state, so this run differs from an uninterrupted one (docs/flower.md)",
+                    INFO,
+                    "hafedho: %s keeps client state on the SuperNodes: nodes with a state-dir continue from it; a "
+                    "node without one (each `flwr run` is a new run series there) restarts its clients from "
+                    "init_client, and the rows list them in state_reset (docs/flower.md)",
                     self.alg.name,
                 )
 
@@ -245,10 +279,13 @@ class HafedhoStrategy(Strategy):
             "num-clients": self.fed.num_clients,
             "cohort-size": len(cohort),
             "digest": self.digest,
+            "run-token": self.run_token,
+            "checkpoint-round": self.server_rounds.durable,
         }
         messages = []
         for cid, node in found.items():
-            content = RecordDict({"broadcast": payload, "config": ConfigRecord({**base, "partition-id": cid})})
+            per_client = {"partition-id": cid, "state-round": self.client_rounds[cid]}
+            content = RecordDict({"broadcast": payload, "config": ConfigRecord({**base, **per_client})})
             messages.append(
                 Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(server_round))
             )
@@ -284,7 +321,7 @@ class HafedhoStrategy(Strategy):
                 log(WARNING, "round %d: dropped a reply of another round from node %d", server_round, node)
                 continue
             by_cid[cid] = reply
-        stream, used = CohortStream(self.alg, 0), []
+        stream, used, lost = CohortStream(self.alg, 0, self.upload_like[0], self.param_shapes), [], []
         for cid in cohort:  # the simulator's order: the float sums match bit for bit when every client replies
             reply = by_cid.pop(cid, None)
             if reply is None:
@@ -297,19 +334,36 @@ class HafedhoStrategy(Strategy):
                 continue
             stream.add(upload, weight, metrics)
             used.append(cid)
+            if int(reply.content.config_records[META_KEY].get("state-lost", 0)):
+                lost.append(cid)
         stream.size = len(used)  # cohort means over the uploads that arrived (m = len(used))
         extra: dict[str, Any] = {}
         if len(used) < len(cohort):
             extra = {"sampled": len(cohort), "dropped": sorted(set(cohort) - set(used))}
             log(WARNING, "round %d: aggregated %d of %d clients", server_round, len(used), len(cohort))
-        row = self.finish_train(server_round, stream.result(), len(used), self._round.get("reached", 0), **extra)
+        row = self.finish_train(server_round, stream.result(), used, self._round.get("reached", 0), lost, **extra)
         numeric = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         return codec.encode(self.server), MetricRecord(numeric)
 
-    def finish_train(self, server_round: int, out: CohortResult, used: int, reached: int, **extra: Any) -> dict:
-        """``ServerRounds.finish_round`` on the round's aggregate (plain, or SecAgg+'s from
-        ``flower/secagg_server.py``); the row waits for ``evaluate_global``."""
-        row = self.server_rounds.finish_round(server_round, out, used, reached, **extra)
+    def finish_train(
+        self, server_round: int, out: CohortResult, used: list[int], reached: int, lost: list[int], **extra: Any
+    ) -> dict:
+        """``ServerRounds.finish_round`` on the round's aggregate of the clients ``used`` (plain, or SecAgg+'s from
+        ``flower/secagg_server.py``); ``lost``: those whose node had lost their state (listed in ``state_reset``).
+        The row waits for ``evaluate_global``."""
+        if lost:
+            extra["state_reset"] = sorted(lost)
+            log(
+                WARNING,
+                "round %d: the nodes of clients %s had lost their state and trained from init_client (a SuperNode "
+                "restarted without a state-dir, or its store deleted); the row lists them in state_reset",
+                server_round,
+                sorted(lost),
+            )
+        row = self.server_rounds.finish_round(server_round, out, len(used), reached, **extra)
+        for cid in used:
+            self.client_rounds[cid] = server_round
+        self.server_rounds.checkpoint_extra = self._facts()  # the checkpoint of this round keeps them
         self._round["row"] = row
         return row
 
@@ -329,6 +383,7 @@ class HafedhoStrategy(Strategy):
         for node, cid in self.nodes.items():
             if node in online and cid >= 0:
                 conf = {"server-round": server_round, "num-clients": self.fed.num_clients, "digest": self.digest}
+                conf["run-token"] = self.run_token
                 conf["partition-id"] = cid
                 content = RecordDict({"server": payload, "config": ConfigRecord(conf)})
                 messages.append(

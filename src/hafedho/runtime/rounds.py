@@ -127,7 +127,8 @@ class ServerRounds:
         checkpoint_extra: dict[str, Any] | None = None,
     ) -> None:
         self.exp, self.server, self.run_dir, self.wall = exp, server, run_dir, wall
-        self.checkpointed = start - 1  # the round of the last good checkpoint, 0 = none
+        self.checkpointed = start - 1  # the round of the last checkpoint taken, 0 = none
+        self.durable = start - 1  # the round of the last checkpoint known to be on disk (the one before is written)
         self.checkpoint_extra = dict(checkpoint_extra or {})
         self.rows: list[dict[str, Any]] = []  # every row committed by this process
         self._t0 = time.perf_counter()
@@ -249,4 +250,4 @@ class ServerRounds:
         self.run_dir.append(row)
         if t % self.exp.cfg.checkpoint_every == 0 or t == self.exp.cfg.rounds:
             self.run_dir.save_checkpoint(t, self.server, store, {"wall_s": self.wall, **self.checkpoint_extra})
-            self.checkpointed = t
+            self.durable, self.checkpointed = self.checkpointed, t  # saving t waited for the previous write

@@ -208,6 +208,7 @@ class RunDir:
         self.path = Path(path)
         self.checkpoint_path = self.path / "checkpoint.pt"
         self._lock = RunLock(self.path)
+        self.resumed_facts: dict[str, Any] = {}  # the runtime facts of the checkpoint ``resume`` continued from
         self.tracking: Tracking | None = None  # [log]'s trackers (``prepare``); they get rows once checkpointed
         self.journal = checkpoint.Journal()  # the client-store files the last checkpoint names
         self._writing: threading.Thread | None = None  # the checkpoint being written (save_checkpoint)
@@ -348,6 +349,7 @@ class RunDir:
             )
         if store.leaves:
             self.journal = checkpoint.restore_store(self.path, store, payload, extra)
+        self.resumed_facts = extra
         return done_round + 1, server, float(wall)
 
     def discard_unstarted(self) -> None:

@@ -37,20 +37,26 @@ class CohortStream:
     time (``add``) or a stacked chunk of the cohort at once (``add_stacked``). Metric sums stay float64 tensors on
     the uploads' device until ``result``, so a round syncs with the host once, not once per client.
 
-    Each upload is checked against ``like`` (the algorithm's upload template, when given; else the round's first
-    upload): same tree, shapes and dtypes, as Flower's codec checks a reply; a mismatch would otherwise broadcast
-    into the model. The weights are
+    Each upload is checked against ``like`` (an upload template, when given: same tree and shapes, as Flower's
+    codec checks a reply), against the round's first upload (same tree, shapes and dtypes), and, with
+    ``param_shapes`` (the model's parameter shapes by name), each leaf keyed by a parameter's name that is not a
+    scalar must have that parameter's shape: so uploads that all agree with each other but not with the model
+    (``delta['fc.weight']`` of [10, 1] for [10, 64]) are refused before they broadcast into it. The weights are
     checked at ``result``: finite, none negative, a positive sum (a zero sum leaves the model where it is)."""
 
-    def __init__(self, alg: FedAlgorithm, size: int, like: Any = None) -> None:
+    def __init__(
+        self, alg: FedAlgorithm, size: int, like: Any = None, param_shapes: dict[str, tuple[int, ...]] | None = None
+    ) -> None:
         self.agg = alg.new_aggregator()
         self.name = type(alg).__name__
         self.size = size
         self.sums: dict[str, Any] = {}
         self.like: Any = None
         self.bytes_up = 0
-        self.expected = None if like is None else _leaf_specs(like)
-        self.expected_paths: list[str] = [] if like is None else _leaf_paths(like)
+        self.template = None if like is None else (_leaf_specs(like), _leaf_paths(like))
+        self.expected: Any = None  # the round's first upload's specs and paths
+        self.param_shapes = param_shapes
+        self.expected_paths: list[str] = []
         self.wmin: torch.Tensor | None = None  # float64 on the weights' device: no host sync per client
         self.wsum: torch.Tensor | None = None
 
@@ -75,22 +81,48 @@ class CohortStream:
             self._sum(k, torch.as_tensor(v).detach().to(torch.float64).sum())
 
     def _check(self, upload: Any, stacked: bool) -> None:
-        """The upload's tree, leaf shapes (without the stacked axis) and dtypes against the template's; without a
-        template, the round's first upload is it (uploads of one round never broadcast into each other)."""
+        """The upload's tree and leaf shapes (without the stacked axis) against the template's, and its tree, shapes
+        and dtypes against the round's first upload's (uploads of one round never broadcast into each other)."""
         got = _leaf_specs(upload, stacked)
+        if self.template is not None:
+            (spec, specs), paths = self.template
+            shapes = (spec, [shape for shape, _ in specs])
+            if (got[0], [shape for shape, _ in got[1]]) != shapes:  # same tree here: as many leaves as the template
+                want = [(shape, d) for (shape, _), (_, d) in zip(specs, got[1], strict=got[0] == spec)]
+                self._refuse(upload, got, (spec, want), paths)
         if self.expected is None:
+            self._check_param_shapes(upload, got)
             self.expected, self.expected_paths = got, _leaf_paths(upload)
             return
-        if got == self.expected:
+        if got != self.expected:
+            self._refuse(upload, got, self.expected, self.expected_paths)
+
+    def _check_param_shapes(self, upload: Any, got: Any) -> None:
+        """The round's first upload (the others must equal it): its non-scalar leaves keyed by a parameter's name
+        have that parameter's shape (a scalar may be a per-layer number)."""
+        if not self.param_shapes:
             return
-        if got[0] != self.expected[0]:
-            paths, want = _leaf_paths(upload), self.expected_paths
+        keyed = pytree.tree_flatten_with_path(upload)[0]
+        for (path, _), (shape, dtype) in zip(keyed, got[1], strict=True):
+            key = getattr(path[-1], "key", None) if path else None
+            want = self.param_shapes.get(key) if isinstance(key, str) else None
+            if want is not None and len(shape) > 0 and tuple(shape) != tuple(want):
+                raise ConfigError(
+                    f"algorithm {self.name}: upload leaf {pytree.keystr(path)} is {dtype}{list(shape)}, but parameter "
+                    f"{key} is {list(want)}; an upload keyed by a parameter's name must have its shape (one of "
+                    "another shape would broadcast into the model)"
+                )
+
+    def _refuse(self, upload: Any, got: Any, expected: Any, want: list[str]) -> None:
+        """One line naming the first way ``upload`` (specs ``got``) differs from ``expected`` (paths ``want``)."""
+        if got[0] != expected[0] or len(got[1]) != len(expected[1]):
+            paths = _leaf_paths(upload)
             diff = [f"lacks {p}" for p in want if p not in paths] + [f"has extra {p}" for p in paths if p not in want]
             raise ConfigError(
                 f"algorithm {self.name}: a client's upload {', '.join(diff) or 'has another tree'} (expected leaves "
                 f"{', '.join(want)}); every client_update must return an Upload of one form"
             )
-        for i, (g, e) in enumerate(zip(got[1], self.expected[1], strict=True)):
+        for i, (g, e) in enumerate(zip(got[1], expected[1], strict=True)):
             if g != e:
                 raise ConfigError(
                     f"algorithm {self.name}: upload leaf {_leaf_paths(upload)[i]} is {g[1]}{list(g[0])}, expected "
@@ -149,6 +181,7 @@ class RoundWork:
     model: FunctionalModel
     rnd: RoundInfo
     seed: int
+    param_shapes: dict[str, tuple[int, ...]] | None = None  # the model's: upload leaves keyed by a name must fit
 
     def client_update(self, cid: int, state: Any, info: ClientInfo | None = None) -> ClientResult:
         """Client ``cid``'s update from ``state``, seeded as every engine seeds it (dropout pure in (seed, t, i));

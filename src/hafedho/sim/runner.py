@@ -120,6 +120,7 @@ def _run(
     fed.to(device, int(DATA_ON_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory) if gpu else None)
 
     params0 = model.params()
+    shapes = {k: tuple(v.shape) for k, v in params0.items()}  # what uploads keyed by a parameter must fit
     server = tree.to(alg.init_server(params0), device)
     template = tree.to(alg.init_client(params0), device)
     need = fed.num_clients * ClientStore.template_nbytes(template)
@@ -145,7 +146,7 @@ def _run(
             params = alg.eval_params(server_rounds.server)
             msg, diag, untimed, full = prepare_round(exp, params, msg, rnd, cohort.tolist(), store)
         server_rounds.untimed(untimed)
-        out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed), cohort, store)
+        out = engine(RoundWork(alg, msg, fed, plan, model, rnd, cfg.seed, shapes), cohort, store)
         if t <= BLOWUP_ROUNDS:
             with idle:  # the early blow-up guard's reference loss, once per run
                 server_rounds.start_loss()

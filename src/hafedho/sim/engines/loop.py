@@ -10,7 +10,7 @@ from hafedho.runtime.work import CohortResult, CohortStream, RoundWork
 
 def loop_engine(work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
     """The reference engine: one client after another, states gathered from and scattered to ``store``."""
-    stream = CohortStream(work.alg, len(cohort))
+    stream = CohortStream(work.alg, len(cohort), param_shapes=work.param_shapes)
     work.model.train()
     for cid in cohort.tolist():
         res = work.client_update(cid, store.gather(cid))

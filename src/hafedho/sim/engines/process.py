@@ -270,7 +270,7 @@ class ProcessEngine:
         return self._pool
 
     def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
-        stream = CohortStream(work.alg, len(cohort))
+        stream = CohortStream(work.alg, len(cohort), param_shapes=work.param_shapes)
         if len(cohort) == 0:
             return stream.result()
         pool = self._ensure_pool(work.alg, work.fed, work.model)

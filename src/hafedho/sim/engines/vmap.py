@@ -53,7 +53,7 @@ class VmapEngine:
 
     def __call__(self, work: RoundWork, cohort: np.ndarray, store: ClientStore) -> CohortResult:
         alg = work.alg
-        stream = CohortStream(alg, len(cohort))
+        stream = CohortStream(alg, len(cohort), param_shapes=work.param_shapes)
         cids = cohort.tolist()
         if not cids:
             return stream.result()
