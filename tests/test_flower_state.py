@@ -214,3 +214,16 @@ def test_node_store_refusals_are_one_line(tmp_path: Path) -> None:
     assert not any(target.iterdir())
     with pytest.raises(ConfigError, match=r"state-dir='rel/dir' is relative; give the SuperNode an absolute path"):
         node_store(tmp_path, state_dir="rel/dir")
+
+
+def test_a_run_token_that_is_a_path_is_refused(tmp_path: Path) -> None:
+    """The run token names a folder on the node: a server sending ``../..`` gets one line, nothing is written."""
+    from hafedho.flower.client_app import _store
+
+    rc = run_config("scaffold")
+    conf = {"partition-id": 0, "num-partitions": 10, "state-dir": str(tmp_path / "s")}
+    context = Context(1, 1, conf, RecordDict(), rc)
+    with pytest.raises(ConfigError, match=r"run-token='\.\./\.\./x', not a hex token"):
+        _store(experiment(rc), context, 0, {"run-token": "../../x"})
+    assert _store(experiment(rc), context, 0, {"run-token": "ab12"}).folder.parent.name.endswith("-ab12")
+    assert not (tmp_path / "s").exists()

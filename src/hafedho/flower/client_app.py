@@ -16,6 +16,8 @@ Messages (record keys):
 
 from __future__ import annotations
 
+import re
+
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -69,7 +71,10 @@ def _check(exp: Experiment, context: Context, config: ConfigRecord) -> tuple[int
 
 def _store(exp: Experiment, context: Context, cid: int, config: ConfigRecord) -> NodeStore:
     """Client ``cid``'s store for the run the server names (the experiment's digest and the run's token)."""
-    key = f"{digest(exp)}-{config.get('run-token', '')}"
+    token = str(config.get("run-token", ""))
+    if not re.fullmatch(r"[0-9a-f]{0,64}", token):  # it names a folder on this node: never a path
+        raise ConfigError(f"the server sent run-token={token[:80]!r}, not a hex token; run the same hafedho on both")
+    key = f"{digest(exp)}-{token}"
     return NodeStore.of(context, key, cid, client_template(exp))
 
 
