@@ -600,16 +600,16 @@ def wait_rows(d: deploy.Deployment, run_id: int, run_dir: Path, count: int, end:
 def test_a_deployment_survives_kill_9_of_a_supernode_and_of_the_server_app(
     tmp_path: Path, deployments, alg: str
 ) -> None:
-    """3 SuperNodes with a state-dir, 6 rounds of 2 clients, a checkpoint every 2 rounds. A SuperNode that trained
-    in rounds 1-2 is killed -9 after round 2 and restarted; the ServerApp is killed -9 in round 4 (round 3 logged
-    and trained on the nodes, the last checkpoint at round 2) and resumed by a new `flwr run` (a new run series:
-    every node's memory is empty). Rounds 1-6 are logged once each, no row lists a state reset, and the rows
-    and final model are the simulator's (which an uninterrupted deployment equals)."""
+    """A TLS SuperLink and 3 SuperNodes with a state-dir, 6 rounds of 2 clients, a checkpoint every 2 rounds. A
+    SuperNode that trained in rounds 1-2 is killed -9 after round 2 and restarted; the ServerApp is killed -9 in
+    round 4 (round 3 logged and trained on the nodes, the last checkpoint at round 2) and resumed by a new `flwr
+    run` (a new run series: every node's memory is empty). Rounds 1-6 are logged once each, no row lists a state
+    reset, and the rows and final model are the simulator's (which an uninterrupted deployment equals)."""
     overrides = ("data.num_clients=3", "sampling.cohort_size=2", "rounds=6", "checkpoint_every=2")
     exp, ref, sim_dir = simulate(alg, tmp_path / "sim", *overrides)
     plan = cohorts(exp)
     victim = next(c for c in plan[1] if c not in plan[2] and c in plan[3])  # state of round <= 2 used in round 4
-    d, conf = deployments(), {"state-dir": str(tmp_path / "node-states")}
+    d, conf = deployments(tls=True), {"state-dir": str(tmp_path / "node-states")}
     d.start_superlink()
     nodes = [d.start_supernode(i, 3, node_config=conf) for i in range(3)]
     known = set(d.wait_for_nodes(3))
