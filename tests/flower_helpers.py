@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,9 @@ from hafedho.sim.runner import run
 class LocalGrid(Grid):
     """Calls the ClientApp in this process, one Context per node, as a SuperNode would keep it.
 
-    ``fail`` maps a round to client ids whose nodes answer that round's train message with an error.
+    ``fail`` maps a round to client ids whose nodes answer that round's train message with an error; ``events``
+    maps a round t to a call ``f(grid)`` made once, just before round t's train messages go out (a node restart, a
+    deleted store, a Ctrl-C of the ServerApp); ``node_config`` adds keys to every node's config.
     """
 
     def __init__(
@@ -37,10 +39,12 @@ class LocalGrid(Grid):
         num_nodes: int,
         fail: dict[int, set[int]] | None = None,
         node_config: dict[str, Any] | None = None,
+        events: dict[int, Callable[[LocalGrid], object]] | None = None,
     ) -> None:
         self.run_config, self.num_nodes, self.node_config = run_config, num_nodes, node_config or {}
         self.contexts = {100 + i: self._context(i) for i in range(num_nodes)}
         self.fail = fail or {}
+        self.events = dict(events or {})
         self.sent: list[Message] = []
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # what a ServerApp process has
 
@@ -73,6 +77,10 @@ class LocalGrid(Grid):
         raise NotImplementedError
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        for m in messages:
+            if m.metadata.message_type == "train" and int(m.metadata.group_id) in self.events:
+                self.events.pop(int(m.metadata.group_id))(self)
         replies = []
         for msg in messages:
             self.sent.append(msg)
@@ -84,6 +92,28 @@ class LocalGrid(Grid):
             reply = client_app(msg, ctx)
             replies.append(copy.deepcopy(reply))
         return replies
+
+
+def run_strategy(rc: dict[str, Any], run_dir: Path, grid: LocalGrid | None = None, finish: bool = True) -> Any:
+    """The Flower ServerApp's loop (``Strategy.start``) over ``grid`` (default: a fresh ``LocalGrid``) into
+    ``run_dir``; ``finish=False``: a ServerApp that then died before ``finish`` (no ``done``)."""
+    from hafedho.flower.common import experiment
+    from hafedho.flower.strategy import HafedhoStrategy
+
+    strategy = HafedhoStrategy(experiment(rc), run_dir, node_wait=0.0)
+    strategy.prepare()
+    grid = grid if grid is not None else LocalGrid(rc, strategy.fed.num_clients)
+    strategy.start(
+        grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, evaluate_fn=strategy.evaluate_global
+    )
+    if finish:
+        strategy.finish()
+    return strategy
+
+
+def die(grid: LocalGrid) -> None:
+    """An event: Ctrl-C of the ServerApp."""
+    raise KeyboardInterrupt
 
 
 def simulate(alg: str, tmp: Path, *overrides: str) -> tuple[Experiment, dict[str, torch.Tensor], Path]:

@@ -13,7 +13,6 @@ import os
 import signal
 import time
 import tomllib
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,10 @@ from flower_helpers import (
     LocalGrid,
     assert_fp32_close,
     cohorts,
+    die,
     flower_final,
     max_abs_diff,
+    run_strategy,
     simulate,
     simulate_with_drops,
 )
@@ -65,14 +66,7 @@ def rows_close(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 1e
 def run_local(alg: str, tmp: Path, *overrides: str, fail: dict[int, set[int]] | None = None) -> HafedhoStrategy:
     """The Flower ServerApp's loop (``Strategy.start``) with the ClientApp called in-process."""
     rc = {"hafedho-config": "smoke", "overrides": " ".join([f"algorithm.name={alg}", *overrides])}
-    strategy = HafedhoStrategy(experiment(rc), tmp / "flower", node_wait=0.0)
-    strategy.prepare()
-    grid = LocalGrid(rc, strategy.fed.num_clients, fail)
-    strategy.start(
-        grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, evaluate_fn=strategy.evaluate_global
-    )
-    strategy.finish()
-    return strategy
+    return run_strategy(rc, tmp / "flower", LocalGrid(rc, experiment(rc).fed.num_clients, fail))
 
 
 # ---------------------------------------------------------------------------------------------- codec
@@ -219,12 +213,8 @@ def partial_run(alg: str, run_dir: Path, *overrides: str) -> tuple[HafedhoStrate
     """A ServerApp that ran its rounds and then died before ``finish`` (no ``done``): the strategy, the grid (its
     nodes keep their client states, as SuperNodes that kept running do) and its "interrupted" line."""
     rc = {"hafedho-config": "smoke", "overrides": " ".join([f"algorithm.name={alg}", *overrides])}
-    strategy = HafedhoStrategy(experiment(rc), run_dir, node_wait=0.0)
-    strategy.prepare()
-    grid = LocalGrid(rc, strategy.fed.num_clients)
-    strategy.start(
-        grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, evaluate_fn=strategy.evaluate_global
-    )
+    grid = LocalGrid(rc, experiment(rc).fed.num_clients)
+    strategy = run_strategy(rc, run_dir, grid, finish=False)
     return strategy, grid, strategy.interrupted()
 
 
@@ -260,34 +250,21 @@ def test_a_resumed_server_app_equals_an_uninterrupted_run(tmp_path: Path) -> Non
     assert (run_dir / "metrics.jsonl").read_bytes() == before and not again.rows
 
 
-class InterruptedGrid(LocalGrid):
-    """A LocalGrid whose ServerApp gets Ctrl-C when it sends round ``at``'s train messages."""
-
-    def __init__(self, run_config: dict[str, Any], num_nodes: int, at: int) -> None:
-        super().__init__(run_config, num_nodes)
-        self.at = at
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        messages = list(messages)
-        if any(m.metadata.message_type == MessageType.TRAIN and m.metadata.group_id == str(self.at) for m in messages):
-            raise KeyboardInterrupt
-        return super().send_and_receive(messages, timeout=timeout)
+def four_rounds(run_dir: Path, **settings: Any) -> dict[str, Any]:
+    """The run config of the ServerApp stop-and-resume tests: FedAvg, 4 rounds, a checkpoint each round."""
+    overrides = "algorithm.name=fedavg rounds=4 checkpoint_every=1"
+    return {"hafedho-config": "smoke", "overrides": overrides, "run-dir": str(run_dir), "node-wait": 0.0, **settings}
 
 
 def test_server_app_interrupted_then_resumed(tmp_path: Path) -> None:
     """The ServerApp's ``main``: Ctrl-C in round 3 of 4 ends with the simulator's line (nothing else lost, the
     lock released); ``resume = true`` continues from round 3, and the run equals the uninterrupted one."""
     run_dir = tmp_path / "flower"
-    rc = {
-        "hafedho-config": "smoke",
-        "overrides": "algorithm.name=fedavg rounds=4 checkpoint_every=1",
-        "run-dir": str(run_dir),
-        "node-wait": 0.0,
-    }
+    rc = four_rounds(run_dir)
     n = experiment(rc).fed.num_clients
     line = r"interrupted at round 2; continue with --resume \(it continues after round 2\)"
     with pytest.raises(Interrupted, match=line):
-        server_main(InterruptedGrid(rc, n, at=3), Context(1, 0, {}, RecordDict(), rc))
+        server_main(LocalGrid(rc, n, events={3: die}), Context(1, 0, {}, RecordDict(), rc))
     assert [r["round"] for r in read_metrics(run_dir)] == [1, 2] and not (run_dir / "done").exists()
     with RunLock(run_dir) as held:
         assert held
@@ -303,23 +280,17 @@ SIGTERM_SERVER_APP = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from flower_helpers import LocalGrid
-from flwr.app import Context, MessageType, RecordDict
+from flwr.app import Context, RecordDict
 from flwr.supercore.telemetry import EventType
 from flwr.supercore.exit import register_signal_handlers
 from hafedho.flower.common import experiment
 from hafedho.flower.server_app import main
 
-class Grid(LocalGrid):  # SIGTERM to this process as round 3's train messages go out
-    def send_and_receive(self, messages, *, timeout=None):
-        messages = list(messages)
-        if any(m.metadata.message_type == MessageType.TRAIN and m.metadata.group_id == "3" for m in messages):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return super().send_and_receive(messages, timeout=timeout)
-
 rc = {rc!r}
 # what flwr-serverapp does before it calls the ServerApp (flwr/superlink/runtime/run_serverapp.py)
 register_signal_handlers(event_type=EventType.FLWR_SERVERAPP_RUN_LEAVE, exit_message="Task stopped by user.")
-main(Grid(rc, experiment(rc).fed.num_clients), Context(1, 0, {{}}, RecordDict(), rc))
+sigterm = {{3: lambda grid: os.kill(os.getpid(), signal.SIGTERM)}}  # as round 3's train messages go out
+main(LocalGrid(rc, experiment(rc).fed.num_clients, events=sigterm), Context(1, 0, {{}}, RecordDict(), rc))
 """
 
 
@@ -331,13 +302,7 @@ def test_server_app_sigterm(tmp_path: Path) -> None:
     import sys
 
     run_dir = tmp_path / "flower"
-    rc = {
-        "hafedho-config": "smoke",
-        "overrides": "algorithm.name=fedavg rounds=4 checkpoint_every=1",
-        "run-dir": str(run_dir),
-        "node-wait": 0.0,
-        "torch-threads": 1,
-    }
+    rc = four_rounds(run_dir, **{"torch-threads": 1})
     script = SIGTERM_SERVER_APP.format(tests=str(Path(__file__).parent), rc=rc)
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

@@ -9,7 +9,6 @@ cases are in ``tests/test_flower.py`` (slow).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,9 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flower_helpers import LocalGrid, max_abs_diff
-from flwr.app import Context, Message, MessageType, RecordDict
+from flower_helpers import LocalGrid, die, max_abs_diff
+from flower_helpers import run_strategy as run
+from flwr.app import Context, RecordDict
 from helpers import no_wall
 
 from hafedho.config import ConfigError
@@ -35,38 +35,8 @@ from hafedho.sim.runner import Interrupted
 ROUNDS = ("rounds=5", "checkpoint_every=1", "sampling.cohort_size=5")
 
 
-class EventGrid(LocalGrid):
-    """A LocalGrid that runs ``events[t](self)`` once, just before round t's train messages go out."""
-
-    def __init__(self, *args: Any, events: dict[int, Callable[[EventGrid], None]] | None = None, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.events = dict(events or {})
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        messages = list(messages)
-        for m in messages:
-            if m.metadata.message_type == MessageType.TRAIN and int(m.metadata.group_id) in self.events:
-                self.events.pop(int(m.metadata.group_id))(self)
-        return super().send_and_receive(messages, timeout=timeout)
-
-
-def die(grid: EventGrid) -> None:
-    """Ctrl-C of the ServerApp."""
-    raise KeyboardInterrupt
-
-
 def run_config(alg: str, *overrides: str) -> dict[str, Any]:
     return {"hafedho-config": "smoke", "overrides": " ".join([f"algorithm.name={alg}", *ROUNDS, *overrides])}
-
-
-def run(rc: dict[str, Any], run_dir: Path, grid: LocalGrid) -> HafedhoStrategy:
-    strategy = HafedhoStrategy(experiment(rc), run_dir, node_wait=0.0)
-    strategy.prepare()
-    strategy.start(
-        grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, evaluate_fn=strategy.evaluate_global
-    )
-    strategy.finish()
-    return strategy
 
 
 def trained_twice(rc: dict[str, Any]) -> tuple[int, int]:
@@ -91,7 +61,7 @@ def test_a_restarted_supernode_with_a_state_dir_continues_exactly(tmp_path: Path
     full = run(rc, tmp_path / "full", LocalGrid(rc, exp.fed.num_clients))
     state_dir = tmp_path / "node-states"
     everyone = tuple(range(exp.fed.num_clients))
-    grid = EventGrid(
+    grid = LocalGrid(
         rc, exp.fed.num_clients, node_config={"state-dir": str(state_dir)}, events={3: lambda g: g.restart(*everyone)}
     )
     got = run(rc, tmp_path / "flower", grid)
@@ -111,7 +81,7 @@ def test_a_restarted_supernode_without_a_state_dir_is_recorded(tmp_path: Path) -
     exp = experiment(rc)
     cid, t = trained_twice(rc)
     full = run(rc, tmp_path / "full", LocalGrid(rc, exp.fed.num_clients))
-    grid = EventGrid(rc, exp.fed.num_clients, events={t: lambda g: g.restart(cid)})
+    grid = LocalGrid(rc, exp.fed.num_clients, events={t: lambda g: g.restart(cid)})
     got = run(rc, tmp_path / "flower", grid)
     rows = read_metrics(tmp_path / "flower")
     assert rows[t - 1]["state_reset"] == [cid]
@@ -127,12 +97,12 @@ def test_a_deleted_node_store_is_recorded(tmp_path: Path) -> None:
     cid, t = trained_twice(rc)
     state_dir = tmp_path / "node-states"
     conf = {"state-dir": str(state_dir)}
-    grid = EventGrid(rc, exp.fed.num_clients, node_config=conf, events={t: lambda g: shutil.rmtree(state_dir)})
+    grid = LocalGrid(rc, exp.fed.num_clients, node_config=conf, events={t: lambda g: shutil.rmtree(state_dir)})
     run(rc, tmp_path / "flower", grid)
     reset = {r["round"]: r["state_reset"] for r in read_metrics(tmp_path / "flower") if "state_reset" in r}
     assert t in reset and cid in reset[t]
     fedavg, conf = run_config("fedavg"), {"state-dir": str(tmp_path / "fedavg-states")}
-    grid = EventGrid(fedavg, exp.fed.num_clients, node_config=conf, events={t: lambda g: g.restart(cid)})
+    grid = LocalGrid(fedavg, exp.fed.num_clients, node_config=conf, events={t: lambda g: g.restart(cid)})
     run(fedavg, tmp_path / "fedavg", grid)
     assert not any("state_reset" in r for r in read_metrics(tmp_path / "fedavg"))
     assert not (tmp_path / "fedavg-states").exists()  # nothing to keep: nothing written
@@ -149,11 +119,11 @@ def test_a_resumed_deployment_gets_the_client_states_back(tmp_path: Path, alg: s
     exp = experiment(rc)
     n, conf = exp.fed.num_clients, {"state-dir": str(state_dir)}
     with pytest.raises(Interrupted, match=r"interrupted at round 3; .*from the checkpoint of round 2"):
-        server_main(EventGrid(rc, n, node_config=conf, events={4: die}), Context(1, 0, {}, RecordDict(), rc))
+        server_main(LocalGrid(rc, n, node_config=conf, events={4: die}), Context(1, 0, {}, RecordDict(), rc))
     assert [r["round"] for r in read_metrics(run_dir)] == [1, 2, 3]
     ahead = {int(p.parent.name[7:]) for p in state_dir.glob("*/client-*/r3.pt")}
     assert ahead == set(exp.cohort(3).tolist())  # states of the round the resumed run recomputes
-    server_main(EventGrid(rc, n, node_config=conf), Context(2, 0, {}, RecordDict(), {**rc, "resume": True}))
+    server_main(LocalGrid(rc, n, node_config=conf), Context(2, 0, {}, RecordDict(), {**rc, "resume": True}))
     full = run(rc, tmp_path / "full", LocalGrid(rc, n))
     assert no_wall(read_metrics(run_dir)) == no_wall(full.rows)
     server = exp.alg.init_server(exp.model.params())
@@ -168,7 +138,7 @@ def test_a_checkpoint_with_corrupt_node_facts_is_refused(tmp_path: Path) -> None
     rc = {**run_config("scaffold", "rounds=2"), "run-dir": str(run_dir), "node-wait": 0.0}
     n = experiment(rc).fed.num_clients
     with pytest.raises(Interrupted):
-        server_main(EventGrid(rc, n, events={2: die}), Context(1, 0, {}, RecordDict(), rc))
+        server_main(LocalGrid(rc, n, events={2: die}), Context(1, 0, {}, RecordDict(), rc))
     payload = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     payload["extra"]["client_rounds"] = [0] * (n - 1)
     torch.save(payload, run_dir / "checkpoint.pt")

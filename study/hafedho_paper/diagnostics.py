@@ -8,7 +8,9 @@ runs logged the metrics below. HaFedHo names its estimate ``h`` (``Diagnostics.n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib import pyplot as plt
@@ -49,17 +51,12 @@ def diagnostics_table(lay: Layout) -> list[Table]:
     error h = 0 scores, so a decay toward 1 is not read as h learning its target."""
     header = ["algorithm", "setting", "seeds", "rel. error early", "rel. error late", "cos early", "cos late", "error"]
     rows = []
-    for col in lay.columns:
-        for r in lay.rows:
-            g = lay.group_at(r, col)
-            runs = [run for run in (g.finished() if g else []) if run.evals(METRIC)]
-            if not runs:
-                continue
-            e0, e1, verdict = _verdict([_early_late(run.evals(METRIC)) for run in runs], against_zero=True)
-            cos = [_early_late(run.evals(COS)) for run in runs]
-            c0, c1 = _pm([c for c, _ in cos])[0], _pm([late for _, late in cos])[0]
-            rows.append([Cell(lay.row_name(r)), Cell(lay.col_name(col)), Cell(str(len(runs))), Cell(e0), Cell(e1)])
-            rows[-1] += [Cell(c0), Cell(c1), Cell(verdict)]
+    for r, col, runs in _groups_with(lay, METRIC):
+        e0, e1, verdict = _verdict([_early_late(run.evals(METRIC)) for run in runs], against_zero=True)
+        cos = [_early_late(run.evals(COS)) for run in runs]
+        c0, c1 = _pm([c for c, _ in cos])[0], _pm([late for _, late in cos])[0]
+        rows.append([Cell(lay.row_name(r)), Cell(lay.col_name(col)), Cell(str(len(runs))), Cell(e0), Cell(e1)])
+        rows[-1] += [Cell(c0), Cell(c1), Cell(verdict)]
     if not rows:
         return []
     note = (
@@ -70,6 +67,17 @@ def diagnostics_table(lay: Layout) -> list[Table]:
         "h = 0 scores a relative error of exactly 1 (and a cosine of 0), so an error near 1 means no estimate."
     )
     return [Table("diagnostics", f"Estimation error of h: {lay.section.title}", header, rows, note), *_pairings(lay)]
+
+
+def _groups_with(lay: Layout, metric: str) -> Iterator[tuple[Any, Any, list[Any]]]:
+    """``(row, column, finished runs that logged metric)`` for every cell of the layout with such runs, in the
+    tables' order (column by column)."""
+    for col in lay.columns:
+        for r in lay.rows:
+            g = lay.group_at(r, col)
+            runs = [run for run in (g.finished() if g else []) if run.evals(metric)]
+            if runs:
+                yield r, col, runs
 
 
 def _verdict(err: list[tuple[float, float]], against_zero: bool = False) -> tuple[str, str, str]:
@@ -90,20 +98,15 @@ def _pairings(lay: Layout) -> list[Table]:
     header = ["algorithm", "setting", "seeds", "ss error early", "ss error late", "error"]
     header += ["Def. 1 error early", "Def. 1 error late", "cos used late", "cos fresh early", "cos fresh late"]
     rows = []
-    for col in lay.columns:
-        for r in lay.rows:
-            g = lay.group_at(r, col)
-            runs = [run for run in (g.finished() if g else []) if run.evals(SS)]
-            if not runs:
-                continue
-            cells = [lay.row_name(r), lay.col_name(col), str(len(runs))]
-            cells += _verdict([_early_late(run.evals(SS)) for run in runs])
-            cells += _verdict([_early_late(run.evals(DEF1)) for run in runs])[:2]
-            cos = [_early_late(run.evals(COS)) for run in runs]
-            fresh = [_early_late(run.evals(FRESH_COS)) for run in runs if run.evals(FRESH_COS)]
-            cells.append(_pm([c for _, c in cos])[0])
-            cells += [_pm([c for c, _ in fresh])[0], _pm([c for _, c in fresh])[0]] if fresh else ["", ""]
-            rows.append([Cell(c) for c in cells])
+    for r, col, runs in _groups_with(lay, SS):
+        cells = [lay.row_name(r), lay.col_name(col), str(len(runs))]
+        cells += _verdict([_early_late(run.evals(SS)) for run in runs])
+        cells += _verdict([_early_late(run.evals(DEF1)) for run in runs])[:2]
+        cos = [_early_late(run.evals(COS)) for run in runs]
+        fresh = [_early_late(run.evals(FRESH_COS)) for run in runs if run.evals(FRESH_COS)]
+        cells.append(_pm([c for _, c in cos])[0])
+        cells += [_pm([c for c, _ in fresh])[0], _pm([c for _, c in fresh])[0]] if fresh else ["", ""]
+        rows.append([Cell(c) for c in cells])
     if not rows:
         return []
     note = (

@@ -16,8 +16,6 @@ Messages (record keys):
 
 from __future__ import annotations
 
-import re
-
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -38,7 +36,7 @@ from hafedho.flower.common import (
     server_template,
     set_threads,
 )
-from hafedho.flower.node_store import NodeStore
+from hafedho.flower.node_store import RUN_TOKEN, NodeStore
 from hafedho.runtime.rounds import client_accuracy
 from hafedho.runtime.work import RoundWork
 
@@ -72,7 +70,7 @@ def _check(exp: Experiment, context: Context, config: ConfigRecord) -> tuple[int
 def _store(exp: Experiment, context: Context, cid: int, config: ConfigRecord) -> NodeStore:
     """Client ``cid``'s store for the run the server names (the experiment's digest and the run's token)."""
     token = str(config.get("run-token", ""))
-    if not re.fullmatch(r"[0-9a-f]{0,64}", token):  # it names a folder on this node: never a path
+    if token and not RUN_TOKEN.fullmatch(token):  # it names a folder on this node: never a path
         raise ConfigError(f"the server sent run-token={token[:80]!r}, not a hex token; run the same hafedho on both")
     key = f"{digest(exp)}-{token}"
     return NodeStore.of(context, key, cid, client_template(exp))

@@ -42,6 +42,7 @@ from hafedho.runfiles import RunDirError, RunLock, atomic_write, make_folder, re
 STATE_DIR = "state-dir"  # node-config key: the folder of this node's client-state store (absolute)
 MEMORY_PREFIX = "hafedho.client_state."  # context.state keys: MEMORY_PREFIX + "<key>.r<round>"
 _VERSION = re.compile(r"r(\d+)\.pt")
+RUN_TOKEN = re.compile(r"[0-9a-f]{1,64}")  # a run token's form (the ServerApp draws 16 hex digits): never a path
 
 
 class NodeStore:
@@ -112,7 +113,6 @@ class NodeStore:
         before them) and those older than the newest version at or before round ``keep_from``."""
         if self.stateless:
             return
-        leaves = [x.detach().cpu().contiguous() for x in pytree.tree_leaves(state)]
         if self.folder is None:
             records = self.context.state.array_records
             for k in [k for k in records if k.startswith(MEMORY_PREFIX)]:
@@ -120,6 +120,7 @@ class NodeStore:
                     del self.context.state[k]
             self.context.state[f"{MEMORY_PREFIX}{self.key}.r{t}"] = codec.encode(state)
         else:
+            leaves = [x.detach().cpu().contiguous() for x in pytree.tree_leaves(state)]
             payload = {"key": self.key, "client": self.cid, "round": t, "leaves": leaves}
             atomic_write(self._path(t), lambda f: torch.save(payload, f))
         rounds = [r for r in self._rounds() if r != t]

@@ -46,6 +46,7 @@ from hafedho.config import ConfigError
 from hafedho.experiment import Experiment
 from hafedho.flower import codec
 from hafedho.flower.common import META_KEY, client_template, digest, upload_template
+from hafedho.flower.node_store import RUN_TOKEN
 from hafedho.runfiles import RunDirError
 from hafedho.runtime.rounds import ServerRounds, pooled_accuracy, run_facts
 from hafedho.runtime.rundir import RunDir, interrupted_text
@@ -97,7 +98,7 @@ class HafedhoStrategy(Strategy):
         if token is None and rounds is None:
             return
         n = self.fed.num_clients
-        ok_token = isinstance(token, str) and 0 < len(token) <= 64 and all(c in "0123456789abcdef" for c in token)
+        ok_token = isinstance(token, str) and RUN_TOKEN.fullmatch(token) is not None
         ok_rounds = isinstance(rounds, list) and len(rounds) == n
         ok_rounds = ok_rounds and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= done for r in rounds)
         if not (ok_token and ok_rounds):
